@@ -1,0 +1,31 @@
+"""What attention needs to know about one engine step, besides the tensors themselves."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """A step's tokens, packed: sequence ``i`` owns query rows ``query_start[i] .. query_start[i+1]-1``.
+
+    Those rows are the last ``query_len`` positions of a sequence that is ``context_lens[i]`` tokens
+    long once this step's K/V are stored, so row ``r`` of sequence ``i`` sits at position
+    ``context_lens[i] - query_len + r`` and attends causally to positions ``0 .. that position``.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot for each new token's K/V, -1 to skip
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [num_seqs] int32
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_context_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1

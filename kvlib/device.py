@@ -1,0 +1,79 @@
+"""Where the engine runs and which attention backend it uses, decided once and said in one line.
+
+On a machine without a usable GPU, Triton kernels can still run under the Triton interpreter
+(for the kernel lessons and tests), which must be switched on before Triton is imported:
+``kvlib/__init__.py`` calls :func:`enable_triton_interpreter_without_gpu` first thing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+MIN_TRITON_CAPABILITY = (8, 0)
+
+
+def enable_triton_interpreter_without_gpu() -> None:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch sees no CUDA GPU; use device='auto' or 'cpu'")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return getattr(torch, requested)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    name: str  # "triton" or "torch"
+    reason: str
+
+    def describe(self, device: torch.device) -> str:
+        return f"kvlib: device={device.type}, attention backend={self.name} ({self.reason})"
+
+
+def choose_attention_backend(requested: str, device: torch.device) -> BackendChoice:
+    """``auto`` is Triton on GPUs of compute capability 8.0+, torch everywhere else."""
+    gpu_ok = device.type == "cuda" and torch.cuda.get_device_capability(device) >= MIN_TRITON_CAPABILITY
+    if requested == "torch":
+        return BackendChoice("torch", "requested")
+    if requested == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs the triton package, which is not installed here; "
+                             "use attention_backend='torch' or 'auto'")
+        if device.type == "cpu":
+            return BackendChoice("triton", "requested; CPU tensors run under the Triton interpreter, slowly")
+        if not gpu_ok:
+            raise ValueError(f"attention_backend='triton' needs compute capability 8.0+, this GPU has "
+                             f"{torch.cuda.get_device_capability(device)}; use 'torch' or 'auto'")
+        return BackendChoice("triton", "requested")
+    if device.type == "cpu":
+        return BackendChoice("torch", "no GPU")
+    if not gpu_ok:
+        return BackendChoice("torch", "GPU below compute capability 8.0, Triton kernels need 8.0+")
+    if not triton_available():
+        return BackendChoice("torch", "triton is not installed")
+    return BackendChoice("triton", "GPU with compute capability 8.0+")
+
+
+def make_attention_backend(choice: BackendChoice):
+    if choice.name == "triton":
+        from kvlib.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    from kvlib.attention.torch_backend import TorchAttentionBackend
+    return TorchAttentionBackend()

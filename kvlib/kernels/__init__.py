@@ -1,0 +1,35 @@
+"""Triton kernels: paged decode and prefill attention, storing K/V, copying cache blocks.
+
+Triton is imported only when a kernel is first looked up, so ``import kvlib.kernels`` works where
+Triton is not installed (macOS, Windows) and the failure, a clear ImportError, comes only when a
+kernel is actually used. ``triton_available`` lets callers choose a backend without trying.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+_EXPORTS = {
+    "paged_decode_attention": "kvlib.kernels.paged_decode",
+    "choose_num_splits": "kvlib.kernels.paged_decode",
+    "paged_prefill_attention": "kvlib.kernels.paged_prefill",
+    "store_kv": "kvlib.kernels.cache_ops",
+    "copy_blocks": "kvlib.kernels.cache_ops",
+}
+
+__all__ = [*_EXPORTS, "triton_available"]
+
+
+def triton_available() -> bool:
+    """Whether Triton can be imported here (it may still lack a GPU: see TRITON_INTERPRET)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not triton_available():
+        raise ImportError(f"kvlib.kernels.{name} needs Triton, which is not installed (it ships for Linux only); "
+                          "use attention_backend='torch' instead")
+    return getattr(importlib.import_module(module), name)

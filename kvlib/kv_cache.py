@@ -1,0 +1,70 @@
+"""KV cache storage in blocks, for a device pool and a host (swap) pool.
+
+Layout: one tensor per pool of shape ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+The block index comes first on purpose: everything one block holds, for every layer, K and V,
+is one contiguous run of bytes. Moving a block between pools is therefore one contiguous copy,
+not ``2 * num_layers`` small ones, and moving N blocks is one gather plus one copy. Attention
+reads one layer through a strided view, ``data[:, layer, 0]``, which costs the kernels nothing:
+they address blocks through strides anyway.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The shape of one block, shared by both pools."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.block_bytes // self.block_size
+
+
+class KVCachePool:
+    """The blocks of one pool. ``data[b]`` is block ``b``: all layers, K and V."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str, pin_memory: bool = False):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.data = torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin_memory)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided views)."""
+        return self.data[:, index, 0], self.data[:, index, 1]
+
+
+def copy_blocks_between(src: KVCachePool, dst: KVCachePool, src_ids: list[int], dst_ids: list[int]) -> None:
+    """Copy blocks ``src_ids`` of one pool into blocks ``dst_ids`` of another (or the same) pool.
+
+    One gather into a contiguous staging tensor, one copy across devices (asynchronous when the
+    host side is pinned), one scatter: three calls whatever the number of blocks and layers.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    if not src_ids:
+        return
+    src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
+    staged = src.data.index_select(0, src_index)
+    if staged.device != dst.device:
+        staged = staged.to(dst.device, non_blocking=dst.data.is_pinned() or src.data.is_pinned())
+    dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
+    dst.data.index_copy_(0, dst_index, staged)

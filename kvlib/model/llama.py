@@ -1,0 +1,132 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) that reads and writes a paged KV cache.
+
+Parameter names match Hugging Face checkpoints, so safetensors load with no renaming. Tokens
+of all sequences in a step are packed into one flat batch; attention is the only part that
+knows about sequences, through :class:`~kvlib.attention.AttentionMetadata`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvlib.attention.metadata import AttentionMetadata
+from kvlib.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies, with the linear and Llama-3 context-extension rules."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` in the half-split convention of HF checkpoints."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        hidden, bias = config.hidden_size, config.qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, backend) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_layer
+        backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_layer, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq = rope_inverse_frequencies(config)  # float32 always, not a buffer: dtype casts skip it
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                backend, logits_rows: torch.Tensor) -> torch.Tensor:
+        """Run one step over packed tokens; return logits only for ``logits_rows`` (the sampled ones)."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        x = self.model.embed_tokens(token_ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache.layer(index), meta, backend)
+        x = self.model.norm(x[logits_rows])
+        return self.lm_head(x).float()
