@@ -46,9 +46,11 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype) -> 
     if missing:
         raise UnsupportedModelError(f"{folder}: weights missing from the safetensors files: {missing[:5]}"
                                     f"{' ...' if len(missing) > 5 else ''}; is this a Llama-family checkpoint?")
-    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=True)
+    # One tensor at a time onto the device in the engine's dtype: peak memory stays near one model.
+    weights = {k: v.to(device=device, dtype=dtype, copy=True) for k, v in state.items() if k in expected}
+    model.load_state_dict(weights, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model = model.to(device=device, dtype=dtype).eval()
+    model.eval()
     model.inv_freq = rope_inverse_frequencies(config).to(device)  # built on meta above
     return model

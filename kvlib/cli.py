@@ -1,0 +1,83 @@
+"""The ``kvlib`` command: demo, bench, grade, make-labs."""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+BENCHES = ("memory", "kernels")
+
+
+def _demo(args) -> int:
+    from kvlib.demo import DemoOptions, run_demo
+    run_demo(DemoOptions(**{f.name: getattr(args, f.name) for f in fields(DemoOptions)}))
+    return 0
+
+
+def _bench(args) -> int:
+    from kvlib.bench.report import format_table
+    names = BENCHES if args.name == "all" else (args.name,)
+    for name in names:
+        rows, title = _run_bench(name)
+        print(format_table(rows, title) if rows else f"{title}: nothing to measure on this machine (needs a GPU)")
+        print()
+    return 0
+
+
+def _run_bench(name: str):
+    if name == "memory":
+        from kvlib.bench.memory import run_memory_bench
+        return run_memory_bench(), "KV memory: paged blocks vs contiguous reservation"
+    if name == "kernels":
+        from kvlib.bench.kernels import run_kernel_bench
+        return run_kernel_bench(), "paged decode kernel bandwidth"
+    raise ValueError(name)
+
+
+def _grade(args) -> int:
+    from kvlib.grading import grade_notebook
+    report = grade_notebook(args.notebook)
+    print(report.table())
+    return 0 if report.full_marks else 1
+
+
+def _make_labs(args) -> int:
+    from kvlib.labs import make_labs
+    for path in make_labs(args.solutions, args.labs):
+        print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlib", description="A paged-KV inference engine and its course.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="serve a workload through a small KV pool and report preemptions")
+    defaults = {f.name: f.default for f in fields(__import__("kvlib.demo", fromlist=["DemoOptions"]).DemoOptions)}
+    for name, default in defaults.items():
+        choices = ("recompute", "swap", "auto") if name == "preemption_mode" else None
+        demo.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(default), default=default, choices=choices)
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser("bench", help="run a benchmark and print its table")
+    bench.add_argument("name", choices=BENCHES + ("all",))
+    bench.set_defaults(run=_bench)
+
+    grade = commands.add_parser("grade", help="execute a lab notebook and print its score table")
+    grade.add_argument("notebook")
+    grade.set_defaults(run=_grade)
+
+    labs = commands.add_parser("make-labs", help="generate labs/ from solutions/")
+    labs.add_argument("--solutions", default="solutions")
+    labs.add_argument("--labs", default="labs")
+    labs.set_defaults(run=_make_labs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Under memory pressure the engine preempts; greedy outputs must not change, in every mode."""
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib.invariants import check_invariants
+
+MODES = [("recompute", False), ("swap", False), ("recompute", True), ("swap", True)]
+
+
+def run_steps(llm, prompts, params):
+    """Drive the step-level API, checking invariants after every step; return tokens by request."""
+    engine, results = llm.engine, {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.token_ids
+        check_invariants(engine)
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def workload():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(96) for _ in range(rng.randint(1, 30))] for _ in range(8)]
+    params = [SamplingParams(max_tokens=rng.randint(5, 25)) for _ in prompts]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def unpressured(checkpoint, workload):
+    llm = LLM(checkpoint("llama-gqa"), EngineConfig(block_size=4, num_gpu_blocks=1024), verbose=False)
+    return llm.generate(*workload)
+
+
+@pytest.mark.parametrize("mode, partial", MODES)
+def test_outputs_unchanged_under_pressure(mode, partial, checkpoint, workload, unpressured):
+    config = EngineConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode=mode,
+                          partial_preemption=partial, watermark=0.0)
+    llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
+    assert run_steps(llm, *workload) == [o.token_ids for o in unpressured]
+    m = llm.metrics
+    assert m.num_preemptions > 0
+    if mode == "swap":
+        assert m.num_preemptions_swap == m.num_preemptions and m.num_swapped_out_blocks == m.num_swapped_in_blocks > 0
+        assert m.swap_bytes == (m.num_swapped_out_blocks + m.num_swapped_in_blocks) * llm.engine.spec.block_bytes
+    else:
+        assert m.num_preemptions_recompute == m.num_preemptions and m.num_recomputed_tokens > 0
+    assert sum(r.num_preemptions for r in m.requests.values()) == m.num_preemptions
+
+
+def test_full_host_pool_falls_back_to_recompute(checkpoint, workload, unpressured):
+    config = EngineConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=2, preemption_mode="swap", watermark=0.0)
+    llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
+    assert run_steps(llm, *workload) == [o.token_ids for o in unpressured]
+    assert llm.metrics.num_swap_fallbacks > 0 and llm.metrics.num_preemptions_recompute > 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_workloads_and_pools(data, checkpoint):
+    mode, partial = data.draw(st.sampled_from(MODES))
+    block_size = data.draw(st.sampled_from([1, 2, 4, 8]))
+    lengths = data.draw(st.lists(st.tuples(st.integers(1, 24), st.integers(1, 16)), min_size=1, max_size=6))
+    rng = random.Random(data.draw(st.integers(0, 1000)))
+    prompts = [[rng.randrange(96) for _ in range(p)] for p, _ in lengths]
+    params = [SamplingParams(max_tokens=m) for _, m in lengths]
+    need = max(-(-(p + m) // block_size) for p, m in lengths)
+    num_gpu_blocks = data.draw(st.integers(need, need * 3))
+    folder = checkpoint("llama-gqa")
+    reference = LLM(folder, EngineConfig(block_size=block_size, num_gpu_blocks=4096), verbose=False)
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    config = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=data.draw(st.integers(0, 64)),
+                          preemption_mode=mode, partial_preemption=partial, watermark=0.0)
+    assert run_steps(LLM(folder, config, verbose=False), prompts, params) == expected
