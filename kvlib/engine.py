@@ -71,12 +71,17 @@ class LLMEngine:
         return max(1, int(budget // self.spec.block_bytes))
 
     # ---- requests ----------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None) -> None:
-        """Queue a request. A request that cannot run is not raised: it comes back from ``step`` rejected."""
+    def add_request(self, request_id: str, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue a request. A request that cannot run is not raised: it comes back from ``step`` rejected.
+
+        ``arrival_time`` (``time.perf_counter()`` seconds, default now) orders the queues: older first,
+        and the newest running request is the default preemption victim.
+        """
         params = params or SamplingParams()
         if request_id in self._requests or any(r.request_id == request_id for r in self._rejected):
             raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
-        now = time.perf_counter()
+        now = time.perf_counter() if arrival_time is None else arrival_time
         token_ids, error = self._encode(prompt)
         if error is None:
             error = self._check_length(token_ids, params)

@@ -31,8 +31,8 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
-def by_arrival(seq: Sequence) -> int:
-    return seq.seq_id
+def by_arrival(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id
 
 
 class Scheduler:
@@ -151,7 +151,7 @@ class Scheduler:
         """Take blocks from ``victim``: only ``shortfall`` tail blocks when preemption is partial."""
         held = len(victim.block_table)
         running = victim.status is SequenceStatus.RUNNING
-        take = min(shortfall, held) if self.config.partial_preemption and running else held
+        take = min(shortfall, held) if self.config.partial_preemption else held
         kept_tokens = min(victim.num_computed_tokens, (held - take) * self.config.block_size)
         context = PreemptionContext(num_blocks=take, num_tokens=victim.num_computed_tokens - kept_tokens,
                                     block_bytes=self.block_bytes, host_free_blocks=self.cpu.num_free)

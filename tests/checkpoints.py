@@ -18,7 +18,7 @@ ARCHITECTURES = {
 }
 
 
-def write_checkpoint(folder: Path, arch: str, seed: int = 0, vocab_size: int = 96, max_positions: int = 256) -> Path:
+def write_checkpoint(folder: Path, arch: str, seed: int = 0, vocab_size: int = 96, max_positions: int = 1024) -> Path:
     """Save a random checkpoint; weights are widened so greedy decoding does not repeat one token."""
     import transformers
     config_cls, model_cls, extra = ARCHITECTURES[arch]

@@ -15,14 +15,14 @@ def llm(checkpoint):
 def test_bad_requests_are_rejected_and_others_finish(llm):
     good = [3, 4, 5]
     prompts = [good, [1] * 200, [], [5, 96, 7], good]
-    params = [SamplingParams(max_tokens=4)] * 4 + [SamplingParams(max_tokens=300)]
+    params = [SamplingParams(max_tokens=4)] * 4 + [SamplingParams(max_tokens=1100)]
     outs = llm.generate(prompts, params)
     assert [o.finish_reason for o in outs] == ["length", "rejected", "rejected", "rejected", "rejected"]
     assert len(outs[0].token_ids) == 4 and outs[0].error is None
     assert "needs 50 KV blocks" in outs[1].error and "raise num_gpu_blocks" in outs[1].error
     assert "empty" in outs[2].error
     assert "token id 96 is outside the model's vocabulary" in outs[3].error and "0 to 95" in outs[3].error
-    assert "beyond the model's context of 256" in outs[4].error and "lower max_tokens" in outs[4].error
+    assert "beyond the model's context of 1024" in outs[4].error and "lower max_tokens" in outs[4].error
     assert llm.metrics.num_rejected == 4
 
 
