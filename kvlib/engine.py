@@ -18,7 +18,9 @@ from kvlib.model.default import default_model_path
 from kvlib.model.loader import load_model
 from kvlib.model_runner import build_step_inputs
 from kvlib.outputs import RequestOutput, SampleOutput
-from kvlib.preemption import LatestArrivalPolicy, PreemptionCostModel
+from kvlib.cost_probe import measure_cost_model
+from kvlib.oversubscription import OversubscriptionDetector
+from kvlib.preemption import LatestArrivalPolicy
 from kvlib.sampler import sample
 from kvlib.scheduler import Scheduler, SchedulerOutput
 from kvlib.sequence import Sequence, SequenceStatus
@@ -27,7 +29,6 @@ from kvlib.tokenizer import Tokenizer
 logger = logging.getLogger("kvlib")
 
 CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_blocks is None
-DEFAULT_COST_MODEL = PreemptionCostModel(host_link_bytes_per_s=16e9, prefill_tokens_per_s=20_000.0)
 
 
 class LLMEngine:
@@ -54,13 +55,23 @@ class LLMEngine:
         self.cpu_pool = KVCachePool(self.spec, config.num_cpu_blocks, "cpu", pin_memory=self.device.type == "cuda")
         make_allocator = allocator or BlockAllocator
         self.metrics = EngineMetrics()
-        self.policy = preemption_policy or LatestArrivalPolicy(config.preemption_mode, DEFAULT_COST_MODEL)
+        self.policy = preemption_policy or self._default_policy(verbose)
+        self.oversubscription = OversubscriptionDetector()
         self.scheduler = Scheduler(config, make_allocator(num_gpu_blocks), make_allocator(config.num_cpu_blocks),
                                    self.policy, self.metrics, self.spec.block_bytes)
         self._requests: dict[str, list[Sequence]] = {}
         self._rejected: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self._step = 0
+
+    def _default_policy(self, verbose: bool) -> LatestArrivalPolicy:
+        if self.config.preemption_mode != "auto":
+            return LatestArrivalPolicy(self.config.preemption_mode)
+        cost = measure_cost_model(self.model, self.gpu_pool, self.backend)
+        if verbose:
+            print(f"kvlib: auto preemption, measured host link {cost.host_link_bytes_per_s / 1e9:.2f} GB/s, "
+                  f"prefill {cost.prefill_tokens_per_s:,.0f} tokens/s")
+        return LatestArrivalPolicy("auto", cost)
 
     def _blocks_that_fit(self) -> int:
         if self.device.type == "cuda":
@@ -148,10 +159,13 @@ class LLMEngine:
         if not plan.scheduled:
             raise RuntimeError(self._stall_message())
         ids, positions, meta, rows = build_step_inputs(plan.scheduled, self.config.block_size, self.device)
+        forward_start = time.perf_counter()
         logits = self.model(ids, positions, self.gpu_pool, meta, self.backend, rows)
+        self._account_recompute(plan, time.perf_counter() - forward_start)
         finishing = []
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
+            seq.peak_computed_tokens = max(seq.peak_computed_tokens, seq.num_computed_tokens)
             if seq.num_computed_tokens == seq.num_tokens:
                 finishing.append(seq)
         tokens = sample(logits, finishing) if finishing else []
@@ -165,8 +179,18 @@ class LLMEngine:
             if out.finished:
                 seqs = self._requests.pop(out.request_id)
                 self.metrics.record_finished(seqs, out.request_id, seqs[0].arrival_time)
+        warning = self.oversubscription.observe(self.metrics)
+        if warning:
+            logger.warning(warning)
         self._record_step(plan, start)
         return outputs + progressed
+
+    def _account_recompute(self, plan: SchedulerOutput, forward_seconds: float) -> None:
+        """Charge recomputation its share of the forward pass: tokens below a sequence's peak are redone."""
+        redone = sum(max(0, min(seq.num_computed_tokens + n, seq.peak_computed_tokens) - seq.num_computed_tokens)
+                     for seq, n in plan.scheduled)
+        if redone:
+            self.metrics.recompute_time += forward_seconds * redone / plan.num_batched_tokens
 
     def _swap(self, plan: SchedulerOutput) -> None:
         if not (plan.swap_out or plan.swap_in):

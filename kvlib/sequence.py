@@ -30,6 +30,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the device cache
+    peak_computed_tokens: int = 0  # most ever computed: anything below it is computed again after a drop
     host_blocks: list[int] = field(default_factory=list)  # swapped-out tail, in order
     finish_reason: Optional[str] = None
     # measurements

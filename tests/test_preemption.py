@@ -1,4 +1,5 @@
 """Under memory pressure the engine preempts; greedy outputs must not change, in every mode."""
+import logging
 import random
 
 import pytest
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.invariants import check_invariants
+from kvlib.preemption import LatestArrivalPolicy, PreemptionCostModel
 
 MODES = [("recompute", False), ("swap", False), ("recompute", True), ("swap", True)]
 
@@ -78,3 +80,47 @@ def test_random_workloads_and_pools(data, checkpoint):
     config = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=data.draw(st.integers(0, 64)),
                           preemption_mode=mode, partial_preemption=partial, watermark=0.0)
     assert run_steps(LLM(folder, config, verbose=False), prompts, params) == expected
+
+
+@pytest.mark.parametrize("link, prefill, expected", [(1e3, 1e9, "recompute"), (1e15, 1.0, "swap")])
+def test_auto_mode_follows_the_cost_model(link, prefill, expected, checkpoint, workload, unpressured):
+    """Auto picks per victim the cheaper option; outputs stay the same whichever it picks."""
+    policy = LatestArrivalPolicy("auto", PreemptionCostModel(host_link_bytes_per_s=link, prefill_tokens_per_s=prefill))
+    config = EngineConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode="auto", watermark=0.0)
+    llm = LLM(checkpoint("llama-gqa"), config, preemption_policy=policy, verbose=False)
+    assert run_steps(llm, *workload) == [o.token_ids for o in unpressured]
+    m = llm.metrics
+    assert m.num_preemptions > 0
+    assert getattr(m, f"num_preemptions_{expected}") == m.num_preemptions
+
+
+def test_auto_mode_measures_its_constants(checkpoint, workload, unpressured):
+    config = EngineConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode="auto", watermark=0.0)
+    llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
+    cost = llm.engine.policy.cost_model
+    assert cost.host_link_bytes_per_s > 0 and cost.prefill_tokens_per_s > 0
+    assert run_steps(llm, *workload) == [o.token_ids for o in unpressured]
+
+
+def test_recompute_time_is_charged(checkpoint, workload):
+    config = EngineConfig(block_size=4, num_gpu_blocks=16, preemption_mode="recompute", watermark=0.0)
+    llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
+    llm.generate(*workload)
+    assert llm.metrics.num_recomputed_tokens > 0 and llm.metrics.recompute_time > 0
+
+
+def test_oversubscription_warns_once(checkpoint, caplog):
+    config = EngineConfig(block_size=2, num_gpu_blocks=24, max_num_seqs=16, preemption_mode="recompute", watermark=0.0)
+    llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
+    with caplog.at_level(logging.WARNING, logger="kvlib"):
+        llm.generate([[1, 2, 3, 4]] * 16, SamplingParams(max_tokens=30))
+    warnings = [r.message for r in caplog.records if "oversubscribed" in r.message]
+    assert llm.metrics.num_preemptions / llm.metrics.num_finished > 1.0
+    assert len(warnings) == 1 and "num_gpu_blocks" in warnings[0] and "max_num_seqs" in warnings[0]
+
+
+def test_no_oversubscription_warning_with_room(checkpoint, caplog):
+    llm = LLM(checkpoint("llama-gqa"), EngineConfig(block_size=2, num_gpu_blocks=1024), verbose=False)
+    with caplog.at_level(logging.WARNING, logger="kvlib"):
+        llm.generate([[1, 2, 3, 4]] * 16, SamplingParams(max_tokens=30))
+    assert llm.metrics.num_preemptions == 0 and not caplog.records

@@ -1,0 +1,30 @@
+"""Constant preemption is a capacity signal: say so once, with what to change."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvlib.metrics import EngineMetrics
+
+
+@dataclass
+class OversubscriptionDetector:
+    """Warn once when preemptions per finished request stay above ``threshold``.
+
+    ``min_finished`` keeps one unlucky request at start-up from raising the alarm: the rate is
+    judged only once enough requests have finished for it to mean something.
+    """
+
+    threshold: float = 1.0
+    min_finished: int = 8
+    warned: bool = False
+
+    def observe(self, metrics: EngineMetrics) -> Optional[str]:
+        if self.warned or metrics.num_finished < self.min_finished:
+            return None
+        rate = metrics.num_preemptions / metrics.num_finished
+        if rate <= self.threshold:
+            return None
+        self.warned = True
+        return (f"the engine is oversubscribed: {rate:.1f} preemptions per finished request "
+                f"(threshold {self.threshold}); add KV capacity (num_gpu_blocks) or lower concurrency (max_num_seqs)")
