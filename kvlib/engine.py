@@ -97,15 +97,14 @@ class LLMEngine:
         if error is None:
             error = self._check_length(token_ids, params)
         if error is None:
-            seqs = [self._new_sequence(request_id, token_ids, params, j, now) for j in range(params.n)]
-            error = self.scheduler.why_never(seqs[0])
+            seq = self._new_sequence(request_id, token_ids, params, 0, now)
+            error = self.scheduler.why_never(seq)
         if error is not None:
             self._reject(request_id, token_ids, params, error)
             return
-        self._requests[request_id] = seqs
+        self._requests[request_id] = [seq]  # with n > 1, the other samples fork from it after its prefill
         self.metrics.num_prompt_tokens += len(token_ids)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(seq)
 
     def _encode(self, prompt) -> tuple[list[int], Optional[str]]:
         if isinstance(prompt, str):
@@ -166,9 +165,11 @@ class LLMEngine:
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
             seq.peak_computed_tokens = max(seq.peak_computed_tokens, seq.num_computed_tokens)
+            self.scheduler.register_computed(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 finishing.append(seq)
-        tokens = sample(logits, finishing) if finishing else []
+        rows = self._fork_samples(finishing)
+        tokens = sample(logits[rows], finishing) if finishing else []
         now = time.perf_counter()
         for seq, token in zip(finishing, tokens):
             seq.record_token(token, now)
@@ -185,6 +186,21 @@ class LLMEngine:
         self._record_step(plan, start)
         return outputs + progressed
 
+    def _fork_samples(self, finishing: list[Sequence]) -> list[int]:
+        """After a prefill with n > 1, fork the other samples; each draws from the same logits row."""
+        rows = list(range(len(finishing)))
+        for row, seq in enumerate(list(finishing)):
+            group = self._requests[seq.request_id]
+            if seq.params.n == 1 or len(group) > 1 or seq.output_token_ids:
+                continue
+            for index in range(1, seq.params.n):
+                child = self._new_sequence(seq.request_id, seq.prompt_token_ids, seq.params, index, seq.arrival_time)
+                self.scheduler.fork(seq, child)
+                group.append(child)
+                finishing.append(child)
+                rows.append(row)
+        return rows
+
     def _account_recompute(self, plan: SchedulerOutput, forward_seconds: float) -> None:
         """Charge recomputation its share of the forward pass: tokens below a sequence's peak are redone."""
         redone = sum(max(0, min(seq.num_computed_tokens + n, seq.peak_computed_tokens) - seq.num_computed_tokens)
@@ -193,12 +209,16 @@ class LLMEngine:
             self.metrics.recompute_time += forward_seconds * redone / plan.num_batched_tokens
 
     def _swap(self, plan: SchedulerOutput) -> None:
-        if not (plan.swap_out or plan.swap_in):
+        """Move blocks: swap-outs, then copy-on-write copies, then swap-ins, each one batched copy."""
+        if not (plan.swap_out or plan.swap_in or plan.copies):
             return
         start = time.perf_counter()
         if plan.swap_out:
             src, dst = zip(*plan.swap_out)
             copy_blocks_between(self.gpu_pool, self.cpu_pool, list(src), list(dst))
+        if plan.copies:  # after swap-out: a copy may land in a block whose old contents just left
+            src, dst = zip(*plan.copies)
+            copy_blocks_between(self.gpu_pool, self.gpu_pool, list(src), list(dst))
         if plan.swap_in:
             src, dst = zip(*plan.swap_in)
             copy_blocks_between(self.cpu_pool, self.gpu_pool, list(src), list(dst))
@@ -224,18 +244,23 @@ class LLMEngine:
         samples = [SampleOutput(list(s.output_token_ids), decode(s.output_token_ids) if decode else None, s.finish_reason)
                    for s in seqs]
         return RequestOutput(request_id, list(seqs[0].prompt_token_ids), samples,
-                             finished=all(s.is_finished for s in seqs))
+                             finished=len(seqs) == seqs[0].params.n and all(s.is_finished for s in seqs))
 
     def _record_step(self, plan: SchedulerOutput, start: float) -> None:
         self._step += 1
         self.metrics.num_steps += 1
         s = self.scheduler
+        if s.cache is not None:
+            self.metrics.prefix_cache_queried_tokens = s.cache.num_queried_tokens
+            self.metrics.prefix_cache_hit_tokens = s.cache.num_hit_tokens
+        tables = [seq.block_table.blocks for seq in s.waiting + s.running + s.swapped]
         self.metrics.timeline.append(StepRecord(
             step=self._step, time=time.perf_counter() - start,
             gpu_blocks_used=s.gpu.num_used, gpu_blocks_total=s.gpu.num_blocks,
             cpu_blocks_used=s.cpu.num_used, cpu_blocks_total=s.cpu.num_blocks,
             num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
-            num_batched_tokens=plan.num_batched_tokens, num_preemptions=plan.num_preemptions))
+            num_batched_tokens=plan.num_batched_tokens, num_preemptions=plan.num_preemptions,
+            blocks_saved_by_sharing=sum(map(len, tables)) - len({b for t in tables for b in t})))
 
     def _stall_message(self) -> str:
         s = self.scheduler

@@ -1,7 +1,8 @@
 """Block bookkeeping invariants, checked after any engine step (tests call this after every one).
 
 For both pools: every block is free or owned, each block's reference count equals the number of
-sequences whose table holds it, and free plus used equals the pool.
+sequences whose table holds it (plus one for the prefix cache, if it names the block), and free
+plus used equals the pool.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def check_invariants(engine) -> None:
     live = s.waiting + s.running + s.swapped
     device_owners = Counter(b for seq in live for b in seq.block_table.blocks)
     host_owners = Counter(b for seq in live for b in seq.host_blocks)
+    if s.cache is not None:  # the prefix cache holds one reference to each block it names
+        device_owners.update(b for b in range(s.gpu.num_blocks) if b in s.cache)
     _check_pool("device", s.gpu, device_owners)
     _check_pool("host", s.cpu, host_owners)
     for seq in live:

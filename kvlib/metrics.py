@@ -35,6 +35,7 @@ class StepRecord:
     num_swapped: int
     num_batched_tokens: int
     num_preemptions: int
+    blocks_saved_by_sharing: int = 0  # block-table entries beyond the distinct blocks they point to
 
 
 @dataclass
@@ -49,6 +50,9 @@ class EngineMetrics:
     swap_bytes: int = 0
     swap_time: float = 0.0
     recompute_time: float = 0.0  # share of step time spent re-prefilling preempted tokens
+    num_cow_copies: int = 0  # shared blocks copied on a sequence's first write into them
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
@@ -104,6 +108,7 @@ class EngineMetrics:
             preemptions_per_finished_request=self.num_preemptions / max(self.num_finished, 1),
             peak_gpu_blocks_used=max((s.gpu_blocks_used for s in self.timeline), default=0),
             peak_cpu_blocks_used=max((s.cpu_blocks_used for s in self.timeline), default=0),
+            peak_blocks_saved_by_sharing=max((s.blocks_saved_by_sharing for s in self.timeline), default=0),
         )
         return out
 

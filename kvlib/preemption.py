@@ -1,7 +1,9 @@
 """Who gives up KV blocks under memory pressure, and how: swap to host memory or recompute later.
 
 A policy is any object with ``select_victim`` and ``choose_mode``; pass one to
-``LLM(..., preemption_policy=...)`` to run your own inside the engine.
+``LLM(..., preemption_policy=...)`` to run your own inside the engine. Whatever a policy picks,
+outputs stay correct: a bad choice costs time, never tokens, because a block another sequence
+still uses is never freed or moved away from it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,21 @@ class PreemptionCostModel:
 
 
 @dataclass
+class VictimCandidate:
+    """A sequence that could give up device blocks, with what it could give."""
+
+    seq: Sequence
+    running: bool  # False: already preempted, still holding blocks after a partial preemption
+    num_blocks: int  # device blocks in its table
+    num_unique_tail_blocks: int  # trailing blocks no other sequence uses: what partial preemption takes
+    num_shared_blocks: int  # blocks other sequences use too: taking them frees nothing
+
+    @property
+    def arrival_time(self) -> float:
+        return self.seq.arrival_time
+
+
+@dataclass
 class PreemptionContext:
     """What a policy may look at when it decides how to preempt one victim."""
 
@@ -51,8 +68,8 @@ class LatestArrivalPolicy:
         self.mode = mode
         self.cost_model = cost_model
 
-    def select_victim(self, candidates: list[Sequence]) -> Sequence:
-        """``candidates`` are in arrival order, oldest first."""
+    def select_victim(self, candidates: list[VictimCandidate], shortfall: int) -> VictimCandidate:
+        """``candidates`` are in arrival order, oldest first; ``shortfall`` blocks are missing."""
         return candidates[-1]
 
     def choose_mode(self, victim: Sequence, context: PreemptionContext) -> str:

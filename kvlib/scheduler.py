@@ -6,16 +6,23 @@ swapped and waiting sequences, oldest first, while the pool stays above the wate
 step's token budget lasts. Every sequence computes the tokens between ``num_computed_tokens``
 and its end, so a prefill, a decode, a chunk of a long prompt and a recomputation after
 preemption are all the same operation.
+
+Sharing: a block may sit in several block tables (the samples of one request share their
+prompt; prefix caching shares full blocks across requests), and its reference count says how
+many. A sequence about to write into a shared block first gets its own copy (copy-on-write).
+Preemption never frees or moves a block away from another sequence that still uses it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from kvlib.block_allocator import AllocStatus
 from kvlib.block_table import blocks_for
 from kvlib.config import EngineConfig
 from kvlib.metrics import EngineMetrics
-from kvlib.preemption import PreemptionContext
+from kvlib.prefix_cache import PrefixCache
+from kvlib.preemption import PreemptionContext, VictimCandidate
 from kvlib.sequence import Sequence, SequenceStatus
 
 
@@ -23,6 +30,7 @@ from kvlib.sequence import Sequence, SequenceStatus
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (device block, device block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     num_preemptions: int = 0
 
@@ -39,11 +47,13 @@ class Scheduler:
     def __init__(self, config: EngineConfig, gpu_allocator, cpu_allocator, policy, metrics: EngineMetrics,
                  block_bytes: int):
         self.config = config
+        self.block_size = config.block_size
         self.gpu = gpu_allocator
         self.cpu = cpu_allocator
         self.policy = policy
         self.metrics = metrics
         self.block_bytes = block_bytes
+        self.cache = PrefixCache(gpu_allocator) if config.enable_prefix_caching else None
         self.watermark_blocks = int(config.watermark * gpu_allocator.num_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -61,9 +71,19 @@ class Scheduler:
         queue.append(seq)
         queue.sort(key=by_arrival)
 
-    def why_never(self, seq: Sequence) -> str | None:
+    def _move(self, seq: Sequence, status: SequenceStatus) -> None:
+        for queue in (self.waiting, self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status = status
+        queue = {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
+                 SequenceStatus.SWAPPED: self.swapped}.get(status)
+        if queue is not None:
+            self._enqueue(queue, seq)
+
+    def why_never(self, seq: Sequence) -> Optional[str]:
         """Why ``seq`` could never run in this pool, or None if it can."""
-        bs, total = self.config.block_size, self.gpu.num_blocks
+        bs, total = self.block_size, self.gpu.num_blocks
         prompt_blocks = blocks_for(len(seq.prompt_token_ids), bs)
         full_blocks = blocks_for(len(seq.prompt_token_ids) + seq.params.max_tokens, bs)
         if prompt_blocks > total - self.watermark_blocks:
@@ -77,136 +97,272 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
-        for block in seq.block_table.pop_tail(len(seq.block_table)):
-            self.gpu.free(block)
+        self._release_device(seq, len(seq.block_table))
+        self._move(seq, SequenceStatus.FINISHED)
 
-    # ---- one step ------------------------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` continues from ``parent``'s computed tokens, sharing every block by reference."""
+        child.block_table.blocks = [self.gpu.fork(b) for b in parent.block_table.blocks]
+        child.num_computed_tokens = child.peak_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        self._move(child, SequenceStatus.RUNNING)
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Name the blocks ``seq`` has just filled, so later requests can reuse them."""
+        if self.cache is None:
+            return
+        tokens = seq.token_ids
+        for index in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            previous = seq.block_hashes[-1] if seq.block_hashes else None
+            chunk = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            seq.block_hashes.append(self.cache.insert(previous, chunk, seq.block_table.blocks[index]))
+
+    # ---- capacity -----------------------------------------------------------------------------
+    def num_available(self) -> int:
+        """Blocks that can be handed out now: free ones plus cached ones nobody uses."""
+        return self.gpu.num_free + (self.cache.num_evictable if self.cache else 0)
+
+    def _take_block(self) -> int:
+        if self.gpu.num_free == 0 and self.cache is not None:
+            self.cache.evict_one()
+        return self.gpu.allocate()
+
+    def _sharers(self, block: int) -> int:
+        """Sequences using ``block`` (the prefix cache's own reference is not a user)."""
+        return self.gpu.ref_count(block) - (1 if self.cache is not None and block in self.cache else 0)
+
+    def _unique_tail(self, seq: Sequence) -> int:
+        count = 0
+        for block in reversed(seq.block_table.blocks):
+            if self._sharers(block) != 1:
+                break
+            count += 1
+        return count
+
+    def _admission(self, needed: int, revived: int = 0) -> AllocStatus:
+        """Ask the allocator, counting evictable cached blocks as free (minus those a hit revives)."""
+        spare = self.cache.num_evictable - revived if self.cache is not None else 0
+        return self.gpu.can_allocate(needed - spare, self.watermark_blocks)
+
+    def _writes_into_shared(self, seq: Sequence, end: int) -> list[int]:
+        """Table indices of shared blocks that positions ``num_computed_tokens .. end-1`` would write."""
+        first, last = seq.num_computed_tokens // self.block_size, min(len(seq.block_table), blocks_for(end, self.block_size))
+        return [i for i in range(first, last) if self.gpu.ref_count(seq.block_table.blocks[i]) > 1]
+
+    # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if out.num_preemptions == 0:
             self._resume(out, budget)
+        if not out.scheduled and self.has_unfinished():
+            self._release_holders(out)  # everyone waits on blocks held by preempted sequences
+            self._resume(out, budget)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue = list(self.running)  # oldest first; the newest are the first victims
-        kept: list[Sequence] = []
-        while queue:
-            seq = queue.pop(0)
+        for seq in queue:
+            queue_index = queue.index(seq)
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop, with its request
             num_new = min(seq.num_uncomputed_tokens, budget)
             if num_new == 0:
-                kept.append(seq)
                 continue
-            needed = seq.block_table.num_missing_blocks(seq.num_computed_tokens + num_new)
-            while self.gpu.num_free < needed:
-                candidates = sorted(self._holders() + [seq] + queue, key=by_arrival)
-                victim = self.policy.select_victim(candidates)
-                self._preempt(victim, needed - self.gpu.num_free, out)
-                if victim is seq:
-                    break
-                if victim in queue:
-                    queue.remove(victim)
+            end = seq.num_computed_tokens + num_new
+            shared = self._writes_into_shared(seq, end)
+            needed = seq.block_table.num_missing_blocks(end) + len(shared)
+            while self.num_available() < needed and seq.status is SequenceStatus.RUNNING:
+                candidates = self._candidates(seq, queue[queue_index + 1:])
+                shortfall = needed - self.num_available()
+                victim = self.policy.select_victim(candidates, shortfall)
+                self._preempt(victim.seq, shortfall, out)
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self._allocate(seq, needed)
+            shared = self._writes_into_shared(seq, end)  # a preempted sibling may have let go of some
+            self._copy_on_write(seq, shared, out)
+            self._allocate(seq, seq.block_table.num_missing_blocks(end))
             out.scheduled.append((seq, num_new))
             budget -= num_new
-            kept.append(seq)
-        self.running = kept
         return budget
+
+    def _candidates(self, seq: Sequence, later: list[Sequence]) -> list[VictimCandidate]:
+        """Who could give up blocks: ``seq`` itself (last resort), newer running ones, and holders."""
+        running = [s for s in later if s.status is SequenceStatus.RUNNING]
+        holders = [s for s in self.waiting + self.swapped if self._unique_tail(s)]
+        candidates = []
+        for s in sorted(set(running + holders + [seq]), key=by_arrival):
+            unique = self._unique_tail(s)
+            if s is seq or unique:
+                candidates.append(VictimCandidate(s, s.status is SequenceStatus.RUNNING, len(s.block_table), unique,
+                                                  sum(1 for b in s.block_table.blocks if self._sharers(b) > 1)))
+        return candidates
 
     def _resume(self, out: SchedulerOutput, budget: int) -> None:
         for seq in sorted(self.swapped + self.waiting, key=by_arrival):
-            if len(self.running) >= self.config.max_num_seqs or budget == 0:
+            if seq.status is SequenceStatus.RUNNING:
+                continue  # resumed with its request's other samples
+            if budget == 0:
                 return
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            held = len(seq.block_table) + len(seq.host_blocks)
-            needed = len(seq.host_blocks) + max(0, blocks_for(seq.num_computed_tokens + num_new,
-                                                              self.config.block_size) - held)
-            if self.gpu.can_allocate(needed, self.watermark_blocks) is not AllocStatus.OK:
+            group = self._swapped_group(seq) if seq.status is SequenceStatus.SWAPPED else [seq]
+            if len(self.running) + len(group) + self._pending_forks(seq) > self.config.max_num_seqs:
+                return
+            admitted = self._swap_in_group(group, budget, out) if seq.status is SequenceStatus.SWAPPED \
+                else self._admit_waiting(seq, budget, out)
+            if not admitted:
                 return  # oldest first: nobody newer overtakes a request that is waiting for room
-            if seq.status is SequenceStatus.SWAPPED:
-                self._swap_in(seq, out)
-                self.swapped.remove(seq)
-            else:
-                self.waiting.remove(seq)
-            self._allocate(seq, seq.block_table.num_missing_blocks(seq.num_computed_tokens + num_new))
-            seq.status = SequenceStatus.RUNNING
-            self._enqueue(self.running, seq)
-            out.scheduled.append((seq, num_new))
-            budget -= num_new
+            budget -= sum(n for s, n in out.scheduled if s in group)
 
-    # ---- blocks --------------------------------------------------------------------------------
+    @staticmethod
+    def _pending_forks(seq: Sequence) -> int:
+        return seq.params.n - 1 if seq.num_computed_tokens == 0 and not seq.output_token_ids else 0
+
+    def _admit_waiting(self, seq: Sequence, budget: int, out: SchedulerOutput) -> bool:
+        hits = self._prefix_hits(seq)
+        computed = seq.num_computed_tokens + len(hits) * self.block_size
+        num_new = min(seq.num_tokens - computed, budget)
+        needed = max(0, blocks_for(computed + num_new, self.block_size) - len(seq.block_table) - len(hits))
+        revived = sum(1 for b, _ in hits if self.gpu.ref_count(b) == 1)
+        if self._admission(needed, revived) is not AllocStatus.OK:
+            return False
+        if self.cache is not None and not seq.block_table.blocks:
+            self.cache.record_query(seq.num_tokens, len(hits) * self.block_size)
+        for block, name in hits:
+            seq.block_table.append(self.gpu.fork(block))
+            seq.block_hashes.append(name)
+            self.cache.touch(block)
+        seq.num_computed_tokens = computed
+        self._allocate(seq, needed)
+        self._move(seq, SequenceStatus.RUNNING)
+        out.scheduled.append((seq, num_new))
+        return True
+
+    def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Cached blocks for a sequence that holds none yet; the last token is always computed."""
+        if self.cache is None or seq.block_table.blocks:
+            return []
+        return self.cache.match(seq.token_ids[:-1], self.block_size)
+
+    def _swapped_group(self, seq: Sequence) -> list[Sequence]:
+        """Swapped samples of one request share host blocks, so they come back together."""
+        return [s for s in self.swapped if s.request_id == seq.request_id]
+
+    def _swap_in_group(self, group: list[Sequence], budget: int, out: SchedulerOutput) -> bool:
+        host_blocks = {b for s in group for b in s.host_blocks}
+        plans = [(s, min(s.num_uncomputed_tokens, max(1, budget // len(group)))) for s in group]
+        extra = sum(max(0, blocks_for(s.num_computed_tokens + n, self.block_size)
+                        - len(s.block_table) - len(s.host_blocks)) for s, n in plans)
+        if self._admission(len(host_blocks) + extra) is not AllocStatus.OK:
+            return False
+        moved: dict[int, int] = {}
+        for seq, num_new in plans:
+            for host_block in seq.host_blocks:
+                if host_block in moved:
+                    device_block = self.gpu.fork(moved[host_block])
+                else:
+                    device_block = moved[host_block] = self._take_block()
+                    out.swap_in.append((host_block, device_block))
+                seq.block_table.append(device_block)
+                self.cpu.free(host_block)
+            seq.host_blocks = []
+            self._allocate(seq, seq.block_table.num_missing_blocks(seq.num_computed_tokens + num_new))
+            self._move(seq, SequenceStatus.RUNNING)
+            out.scheduled.append((seq, num_new))
+        self.metrics.num_swapped_in_blocks += len(moved)
+        return True
+
+    # ---- blocks -------------------------------------------------------------------------------
     def _allocate(self, seq: Sequence, count: int) -> None:
         for _ in range(count):
-            seq.block_table.append(self.gpu.allocate())
+            seq.block_table.append(self._take_block())
 
-    def _holders(self) -> list[Sequence]:
-        """Preempted sequences that still hold device blocks (after a partial preemption)."""
-        return [s for s in self.waiting + self.swapped if len(s.block_table)]
+    def _copy_on_write(self, seq: Sequence, indices: list[int], out: SchedulerOutput) -> None:
+        for index in indices:
+            old = seq.block_table.blocks[index]
+            new = self._take_block()
+            out.copies.append((old, new))
+            self.gpu.free(old)
+            seq.block_table.blocks[index] = new
+        self.metrics.num_cow_copies += len(indices)
 
+    def _release_device(self, seq: Sequence, count: int) -> None:
+        """Drop ``seq``'s reference to its last ``count`` blocks (shared ones live on for the others)."""
+        for block in seq.block_table.pop_tail(count):
+            self.gpu.free(block)
+        kept = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = min(seq.num_computed_tokens, kept + len(seq.host_blocks) * self.block_size)
+        del seq.block_hashes[len(seq.block_table):]
+
+    # ---- preemption ---------------------------------------------------------------------------
     def _preempt(self, victim: Sequence, shortfall: int, out: SchedulerOutput) -> None:
-        """Take blocks from ``victim``: only ``shortfall`` tail blocks when preemption is partial."""
-        held = len(victim.block_table)
-        running = victim.status is SequenceStatus.RUNNING
-        take = min(shortfall, held) if self.config.partial_preemption else held
-        kept_tokens = min(victim.num_computed_tokens, (held - take) * self.config.block_size)
-        context = PreemptionContext(num_blocks=take, num_tokens=victim.num_computed_tokens - kept_tokens,
-                                    block_bytes=self.block_bytes, host_free_blocks=self.cpu.num_free)
+        """Partial: the victim's unique tail, only ``shortfall`` blocks of it. Full: the victim's request.
+
+        Samples of the request already scheduled this step keep running; blocks they share with
+        the victims stay theirs (a swap copies them, a drop only lets go of a reference).
+        """
+        scheduled = {s for s, _ in out.scheduled}
+        running = [s for s in self.running if s.request_id == victim.request_id and s not in scheduled]
+        partial = self.config.partial_preemption and len(running) <= 1
+        group = [victim] if partial or victim not in running else running
+        if partial:
+            take = min(shortfall, self._unique_tail(victim))
+            distinct = take
+        else:
+            take = None
+            distinct = len({b for s in group for b in s.block_table.blocks})
+        tokens = sum(s.num_computed_tokens for s in group) if take is None else min(
+            victim.num_computed_tokens, take * self.block_size)
+        context = PreemptionContext(num_blocks=distinct, num_tokens=tokens, block_bytes=self.block_bytes,
+                                    host_free_blocks=self.cpu.num_free)
         mode = self.policy.choose_mode(victim, context)
-        if mode == "swap" and self.cpu.num_free < take:
+        if mode == "swap" and self.cpu.num_free < distinct:
             mode = "recompute"
             self.metrics.num_swap_fallbacks += 1
-        if running:
-            self.running.remove(victim)
-            victim.num_preemptions += 1
-            self.metrics.num_preemptions += 1
-            out.num_preemptions += 1
-            if mode == "swap":
-                self.metrics.num_preemptions_swap += 1
-            else:
-                self.metrics.num_preemptions_recompute += 1
+        for seq in group:
+            if seq.status is SequenceStatus.RUNNING:
+                seq.num_preemptions += 1
+                out.num_preemptions += 1
+                self.metrics.num_preemptions += 1
+                setattr(self.metrics, f"num_preemptions_{mode}", getattr(self.metrics, f"num_preemptions_{mode}") + 1)
         if mode == "swap":
-            self._swap_out(victim, take, out)
+            self._swap_out(group, take, out)
         else:
-            self._drop(victim, take)
+            for seq in group:
+                self._drop(seq, len(seq.block_table) if take is None else take)
 
-    def _swap_out(self, victim: Sequence, take: int, out: SchedulerOutput) -> None:
-        tail = victim.block_table.pop_tail(take)
-        host = [self.cpu.allocate() for _ in tail]
-        for device_block, host_block in zip(tail, host):
-            out.swap_out.append((device_block, host_block))
-            self.gpu.free(device_block)
-        victim.host_blocks = host + victim.host_blocks
-        self.metrics.num_swapped_out_blocks += len(tail)
-        if victim.status is not SequenceStatus.SWAPPED:
-            self.waiting = [s for s in self.waiting if s is not victim]
-            victim.status = SequenceStatus.SWAPPED
-            self._enqueue(self.swapped, victim)
+    def _swap_out(self, group: list[Sequence], take: Optional[int], out: SchedulerOutput) -> None:
+        """Copy the group's blocks to the host; a block its members share moves once for all of them."""
+        moved: dict[int, int] = {}
+        for seq in group:
+            count = len(seq.block_table) if take is None else take
+            tail = seq.block_table.blocks[len(seq.block_table) - count:]
+            host = []
+            for device_block in tail:
+                if device_block in moved:
+                    host.append(self.cpu.fork(moved[device_block]))
+                else:
+                    host.append(self.cpu.allocate())
+                    moved[device_block] = host[-1]
+            seq.host_blocks = host + seq.host_blocks
+            self._release_device(seq, count)
+            self._move(seq, SequenceStatus.SWAPPED)
+        out.swap_out.extend(moved.items())
+        self.metrics.num_swapped_out_blocks += len(moved)
 
-    def _drop(self, victim: Sequence, take: int) -> None:
-        if victim.host_blocks:  # a swapped sequence that must now recompute: its host copy is useless
-            take = len(victim.block_table)
-            for block in victim.host_blocks:
+    def _drop(self, seq: Sequence, count: int) -> None:
+        """Recompute later: let go of the tail (and of any host copy, now useless)."""
+        before = seq.num_computed_tokens
+        if seq.host_blocks:
+            for block in seq.host_blocks:
                 self.cpu.free(block)
-            victim.host_blocks = []
-        for block in victim.block_table.pop_tail(take):
-            self.gpu.free(block)
-        kept_tokens = min(victim.num_computed_tokens, len(victim.block_table) * self.config.block_size)
-        self.metrics.num_recomputed_tokens += victim.num_computed_tokens - kept_tokens
-        victim.num_computed_tokens = kept_tokens
-        if victim.status is not SequenceStatus.WAITING:
-            self.swapped = [s for s in self.swapped if s is not victim]
-            victim.status = SequenceStatus.WAITING
-            self._enqueue(self.waiting, victim)
+            seq.host_blocks = []
+            count = len(seq.block_table)
+        self._release_device(seq, count)
+        self.metrics.num_recomputed_tokens += before - seq.num_computed_tokens
+        self._move(seq, SequenceStatus.WAITING)
 
-    def _swap_in(self, seq: Sequence, out: SchedulerOutput) -> None:
-        for host_block in seq.host_blocks:
-            device_block = self.gpu.allocate()
-            seq.block_table.append(device_block)
-            out.swap_in.append((host_block, device_block))
-            self.cpu.free(host_block)
-        self.metrics.num_swapped_in_blocks += len(seq.host_blocks)
-        seq.host_blocks = []
+    def _release_holders(self, out: SchedulerOutput) -> None:
+        """Nothing can run: preempted sequences holding blocks give them all up, to be recomputed."""
+        for seq in list(self.waiting + self.swapped):
+            if seq.block_table.blocks or seq.host_blocks:
+                self._drop(seq, len(seq.block_table))

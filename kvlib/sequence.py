@@ -18,7 +18,7 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two sequences are never the same because their fields match
 class Sequence:
     seq_id: int
     request_id: str
@@ -32,6 +32,7 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the device cache
     peak_computed_tokens: int = 0  # most ever computed: anything below it is computed again after a drop
     host_blocks: list[int] = field(default_factory=list)  # swapped-out tail, in order
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache names of its leading full blocks
     finish_reason: Optional[str] = None
     # measurements
     first_token_time: Optional[float] = None

@@ -1,0 +1,116 @@
+"""Copy-on-write sharing: parallel samples share their prompt, prefix caching shares across requests."""
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib.invariants import check_invariants
+
+
+def run_steps(llm, prompts, params):
+    engine, results = llm.engine, {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = [s.token_ids for s in out.samples]
+        check_invariants(engine)
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def folder(checkpoint):
+    return checkpoint("llama-gqa")
+
+
+PROMPTS = [[7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0, 3, 3], [11, 12, 13, 14, 15, 16]]
+
+
+def test_greedy_samples_all_equal_the_single_output(folder):
+    config = EngineConfig(block_size=4, num_gpu_blocks=256)
+    single = LLM(folder, config, verbose=False).generate(PROMPTS, SamplingParams(max_tokens=12))
+    llm = LLM(folder, config, verbose=False)
+    outs = run_steps(llm, PROMPTS, [SamplingParams(max_tokens=12, n=4)] * 2)
+    for out, one in zip(outs, single):
+        assert out == [one.token_ids] * 4
+    assert llm.metrics.num_cow_copies > 0  # the 13- and 6-token prompts end mid-block
+    assert llm.metrics.summary()["peak_blocks_saved_by_sharing"] >= 3 * (13 // 4)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_seeded_samples_equal_separate_seeded_requests(folder, block_size):
+    """Sample j of a request seeded s draws exactly like a separate request seeded s + j."""
+    config = EngineConfig(block_size=block_size, num_gpu_blocks=512)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42, n=3)
+    shared = run_steps(LLM(folder, config, verbose=False), PROMPTS, [params] * 2)
+    separate = LLM(folder, config, verbose=False).generate(
+        [p for p in PROMPTS for _ in range(3)],
+        [SamplingParams(max_tokens=16, temperature=1.0, seed=42 + j) for _ in PROMPTS for j in range(3)])
+    assert shared == [[o.token_ids for o in separate[3 * i:3 * i + 3]] for i in range(2)]
+    assert len({tuple(s) for s in shared[0]}) > 1, "samples should diverge, exercising copy-on-write"
+
+
+@pytest.mark.parametrize("mode, partial", [("recompute", False), ("swap", False), ("swap", True), ("recompute", True)])
+def test_parallel_samples_under_preemption(folder, mode, partial):
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=5, n=3) for _ in range(4)]
+    prompts = [[i, i + 1, i + 2, i + 3, i + 4] for i in range(4)]
+    expected = run_steps(LLM(folder, EngineConfig(block_size=2, num_gpu_blocks=1024), verbose=False), prompts, params)
+    config = EngineConfig(block_size=2, num_gpu_blocks=40, num_cpu_blocks=200, preemption_mode=mode,
+                          partial_preemption=partial, watermark=0.0)
+    llm = LLM(folder, config, verbose=False)
+    assert run_steps(llm, prompts, params) == expected
+    assert llm.metrics.num_preemptions > 0
+
+
+def test_prefix_cache_hits_and_identical_outputs(folder):
+    system = list(range(40, 72))  # a 32-token shared prefix: 8 full blocks of 4
+    prompts = [system + [i, i + 1, i + 2] for i in range(5)]
+    params = [SamplingParams(max_tokens=8)] * 5
+    plain = run_steps(LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=256), verbose=False), prompts, params)
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=256, enable_prefix_caching=True, max_num_seqs=1),
+              verbose=False)
+    assert run_steps(llm, prompts, params) == plain
+    m = llm.metrics
+    assert m.prefix_cache_queried_tokens == sum(len(p) for p in prompts)
+    assert m.prefix_cache_hit_tokens == 4 * 32  # every request after the first reuses the 8 prefix blocks
+
+
+def test_prefix_cache_verifies_tokens_not_only_the_hash(folder):
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=64, enable_prefix_caching=True), verbose=False)
+    llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2))
+    cache = llm.engine.scheduler.cache
+    [entry] = [e for e in cache._by_hash.values() if e.tokens == (1, 2, 3, 4)]
+    entry.tokens = (9, 9, 9, 9)  # as if another block had collided on the same hash
+    assert cache.match([1, 2, 3, 4, 5], 4) == []
+
+
+def test_evicts_least_recently_used_cached_blocks(folder):
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=12, enable_prefix_caching=True, watermark=0.0),
+              verbose=False)
+    first, second = list(range(8)) + [50], list(range(10, 18)) + [50]
+    llm.generate([first], SamplingParams(max_tokens=1))
+    llm.generate([second], SamplingParams(max_tokens=1))
+    cache = llm.engine.scheduler.cache
+    assert cache.num_cached == 4 and cache.num_evictable == 4
+    llm.generate([list(range(20, 56)) + [50]], SamplingParams(max_tokens=1))  # 10 blocks: 8 free + 2 evicted
+    assert cache.match(first, 4) == [] and len(cache.match(second, 4)) == 2
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_shared_prefix_workloads(data, folder):
+    rng = random.Random(data.draw(st.integers(0, 10_000)))
+    block_size = data.draw(st.sampled_from([1, 2, 4]))
+    prefixes = [[rng.randrange(96) for _ in range(rng.randint(0, 12))] for _ in range(2)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(96) for _ in range(rng.randint(1, 6))] for _ in range(6)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 10), n=data.draw(st.sampled_from([1, 1, 2]))) for _ in prompts]
+    expected = run_steps(LLM(folder, EngineConfig(block_size=block_size, num_gpu_blocks=2048), verbose=False),
+                         prompts, params)
+    config = EngineConfig(block_size=block_size, num_gpu_blocks=data.draw(st.integers(48 // block_size, 200)),
+                          num_cpu_blocks=64, enable_prefix_caching=True, watermark=0.0,
+                          preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])),
+                          partial_preemption=data.draw(st.booleans()))
+    assert run_steps(LLM(folder, config, verbose=False), prompts, params) == expected
