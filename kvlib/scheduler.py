@@ -122,6 +122,9 @@ class Scheduler:
         """Blocks that can be handed out now: free ones plus cached ones nobody uses."""
         return self.gpu.num_free + (self.cache.num_evictable if self.cache else 0)
 
+    def _has_room(self, needed: int) -> bool:
+        return self.gpu.num_free >= needed or self.num_available() >= needed
+
     def _take_block(self) -> int:
         if self.gpu.num_free == 0 and self.cache is not None:
             self.cache.evict_one()
@@ -162,8 +165,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         queue = list(self.running)  # oldest first; the newest are the first victims
-        for seq in queue:
-            queue_index = queue.index(seq)
+        for position, seq in enumerate(queue):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop, with its request
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -172,14 +174,14 @@ class Scheduler:
             end = seq.num_computed_tokens + num_new
             shared = self._writes_into_shared(seq, end)
             needed = seq.block_table.num_missing_blocks(end) + len(shared)
-            while self.num_available() < needed and seq.status is SequenceStatus.RUNNING:
-                candidates = self._candidates(seq, queue[queue_index + 1:])
-                shortfall = needed - self.num_available()
-                victim = self.policy.select_victim(candidates, shortfall)
-                self._preempt(victim.seq, shortfall, out)
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            shared = self._writes_into_shared(seq, end)  # a preempted sibling may have let go of some
+            if not self._has_room(needed):
+                while not self._has_room(needed) and seq.status is SequenceStatus.RUNNING:
+                    shortfall = needed - self.num_available()
+                    victim = self.policy.select_victim(self._candidates(seq, queue[position + 1:]), shortfall)
+                    self._preempt(victim.seq, shortfall, out)
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                shared = self._writes_into_shared(seq, end)  # a preempted sibling may have let go of some
             self._copy_on_write(seq, shared, out)
             self._allocate(seq, seq.block_table.num_missing_blocks(end))
             out.scheduled.append((seq, num_new))

@@ -1,0 +1,70 @@
+"""``kvlib bench scheduler``: time spent scheduling one step, without the model.
+
+The scheduler runs on the host between GPU steps, so its time is pure overhead. The benchmark
+drives the real :class:`~kvlib.scheduler.Scheduler` through decode steps of many running
+sequences, appending a token to each after every step as the engine would, and reports
+milliseconds per step. The model, sampling and tensor building are left out on purpose.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Optional
+
+from kvlib.bench.report import format_table
+from kvlib.block_allocator import BlockAllocator
+from kvlib.config import EngineConfig, SamplingParams
+from kvlib.metrics import EngineMetrics
+from kvlib.preemption import LatestArrivalPolicy
+from kvlib.scheduler import Scheduler
+from kvlib.sequence import Sequence
+
+
+def time_scheduler(num_seqs: int, prompt_len: int = 128, steps: int = 64, block_size: int = 16,
+                   enable_prefix_caching: bool = False, pressure: bool = False) -> dict:
+    """Milliseconds per ``schedule()`` call with ``num_seqs`` decoding sequences.
+
+    ``pressure`` sizes the pool so sequences outgrow it and preemption runs inside the timed steps.
+    """
+    per_seq = -(-(prompt_len + steps) // block_size)
+    num_blocks = num_seqs * per_seq * (2 if not pressure else 1) - (num_seqs // 4 if pressure else 0)
+    config = EngineConfig(block_size=block_size, num_gpu_blocks=num_blocks, num_cpu_blocks=num_blocks,
+                          max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * prompt_len,
+                          enable_prefix_caching=enable_prefix_caching, preemption_mode="swap", watermark=0.0)
+    metrics = EngineMetrics()
+    scheduler = Scheduler(config, BlockAllocator(num_blocks), BlockAllocator(num_blocks),
+                          LatestArrivalPolicy("swap"), metrics, block_bytes=1)
+    params = SamplingParams(max_tokens=steps + 1)
+    for i in range(num_seqs):
+        scheduler.add(Sequence(i, f"r{i}", [(i + t) % 1000 for t in range(prompt_len)], params, block_size, float(i)))
+    timings = []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        plan = scheduler.schedule()
+        elapsed = time.perf_counter() - start
+        for seq, num_new in plan.scheduled:
+            seq.num_computed_tokens += num_new
+            scheduler.register_computed(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.output_token_ids.append(step % 1000)
+        if step > 0:  # step 0 is the prefill admission of everyone
+            timings.append(elapsed)
+    return {"running seqs": num_seqs, "prefix caching": enable_prefix_caching, "pool pressure": pressure,
+            "ms/step mean": statistics.mean(timings) * 1e3, "ms/step p99": sorted(timings)[int(0.99 * (len(timings) - 1))] * 1e3,
+            "preemptions": metrics.num_preemptions, "target ms": 1.0}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvlib bench scheduler", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args(argv)
+    rows = [time_scheduler(n, steps=args.steps) for n in (32, 256)]
+    rows.append(time_scheduler(256, steps=args.steps, enable_prefix_caching=True))
+    rows.append(time_scheduler(256, steps=args.steps, pressure=True))
+    print(format_table(rows, "scheduler time per decode step (no model)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
