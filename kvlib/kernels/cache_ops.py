@@ -62,6 +62,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     ``[num_blocks, block_size, kv_heads, head_dim]`` with any strides.
     """
     num_tokens, num_kv_heads, head_dim = key.shape
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, expected ({num_tokens},)")
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](

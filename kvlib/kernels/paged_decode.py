@@ -20,8 +20,8 @@ import triton.language as tl
 
 BLOCK_N = 64  # context tokens per loop step
 MIN_DOT = 16  # smallest dimension tl.dot accepts
-MIN_SPLIT_TOKENS = 512  # a split shorter than this costs more in merging than it gains
-MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 512  # shortest split the rule makes, so partial writes and the merge stay small next to the reads
+MAX_SPLITS = 64  # most splits the rule makes
 SPLIT_ALIGN = 16  # split lengths are rounded up to a multiple of this many tokens
 LOG2E = 1.4426950408889634
 
@@ -123,6 +123,17 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def _dtype_config(dtype: torch.dtype) -> dict:
+    """Launch settings by dtype (sizes chosen so ptxas reports no spills on sm_80 and sm_90).
+
+    fp32 dots must ask for IEEE precision, as the default, TF32, keeps only a 10-bit mantissa;
+    they then run on CUDA cores with register-held tiles, which need more warps to fit.
+    """
+    if dtype == torch.float32:
+        return dict(DOT_PRECISION="ieee", num_warps=8)
+    return dict(DOT_PRECISION=None, num_warps=4)
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
     """How many splits decode should use: 1 unless the plain grid leaves the device underfilled.
 
@@ -167,6 +178,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         max_context_len = int(context_lens.max())
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, query.device)
+    elif num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     split_size = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
     num_splits = triton.cdiv(max(max_context_len, 1), split_size)
 
@@ -176,21 +189,20 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    else:
-        part_out = part_lse = out  # unused by the plain kernel; strides below are placeholders
-    part_out_strides = part_out.stride() if split else (0, 0, 0, 0)
-    part_lse_strides = part_lse.stride() if split else (0, 0, 0)
+        part_strides = (*part_out.stride(), *part_lse.stride())
+    else:  # the plain kernel writes ``out`` and never touches the partials
+        part_out, part_lse, part_strides = out, out, (0,) * 7
 
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse,
         query, k_cache, v_cache, block_tables, context_lens,
         scale * LOG2E, split_size,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        *part_out_strides, *part_lse_strides,
+        *part_strides,
         GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        SPLIT=split, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        SPLIT=split, **_dtype_config(query.dtype),
     )
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](

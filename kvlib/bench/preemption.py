@@ -1,0 +1,106 @@
+"""``kvlib bench preemption``: one oversubscribed workload served in every preemption mode, side by side.
+
+- Workload: ShareGPT-like lengths (``kvlib.bench.workloads``) divided by ``scale`` so that it runs
+  on a CPU, random prompt tokens, greedy decoding with ``ignore_eos`` so that every request
+  generates exactly its drawn output length. All requests arrive at once.
+- The first row serves it on the default model in a device pool big enough for every request
+  at once: no preemption. Its outputs are the reference every other row must reproduce
+  (``outputs identical``), and its throughput is what preemption is paid against.
+- Every other row serves the same requests in a pool of ``num_gpu_blocks``, a fraction of what
+  they need together, so the engine must preempt: recompute, swap or auto (the engine's
+  measured cost model picks per victim), each whole-request and partial.
+- Latencies are per request from arrival: TTFT p50 and p99, and the worst stutter, the longest
+  gap between two consecutive tokens of any request.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Optional
+
+from kvlib.bench.report import format_table
+from kvlib.bench.workloads import sharegpt_like_lengths
+from kvlib.block_table import blocks_for
+from kvlib.config import EngineConfig, SamplingParams
+from kvlib.llm import LLM
+
+MODES = [("recompute", False), ("swap", False), ("auto", False), ("recompute", True), ("swap", True), ("auto", True)]
+VOCAB = range(3, 259)  # the default model's byte tokens, past its three special tokens
+
+
+def oversubscribed_workload(num_requests: int, scale: int = 4, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts (token ids) and sampling params: ShareGPT-like lengths divided by ``scale``."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for prompt_len, output_len in sharegpt_like_lengths(num_requests, seed=seed):
+        prompts.append([rng.choice(VOCAB) for _ in range(max(1, prompt_len // scale))])
+        params.append(SamplingParams(max_tokens=max(1, output_len // scale), ignore_eos=True))
+    return prompts, params
+
+
+def blocks_needed(prompts: list[list[int]], params: list[SamplingParams], block_size: int) -> int:
+    """Device blocks the requests hold if all of them run to the end at once."""
+    return sum(blocks_for(len(p) + s.max_tokens, block_size) for p, s in zip(prompts, params))
+
+
+def serve(config: EngineConfig, prompts, params) -> tuple[LLM, list[list[int]], float]:
+    """Serve the workload; return the engine, each request's tokens and the wall-clock seconds."""
+    llm = LLM("default", config, verbose=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return llm, [o.token_ids for o in outs], time.perf_counter() - start
+
+
+def result_row(label: str, partial: Optional[bool], llm: LLM, seconds: float, identical: Optional[bool]) -> dict:
+    s = llm.metrics.summary()
+    return {
+        "mode": label, "partial": partial, "device blocks": llm.engine.config.num_gpu_blocks,
+        "tokens/s": s["num_generated_tokens"] / seconds,
+        "TTFT p50 ms": 1e3 * s["ttft_p50"], "TTFT p99 ms": 1e3 * s["ttft_p99"],
+        "worst stutter ms": 1e3 * s["max_inter_token_latency"],
+        "preemptions": s["num_preemptions"], "by swap": s["num_preemptions_swap"],
+        "by recompute": s["num_preemptions_recompute"], "swap fallbacks": s["num_swap_fallbacks"],
+        "swapped-out blocks": s["num_swapped_out_blocks"], "recomputed tokens": s["num_recomputed_tokens"],
+        "preemptions/request": s["preemptions_per_finished_request"], "outputs identical": identical,
+    }
+
+
+def run_preemption_bench(num_requests: int = 64, scale: int = 4, num_gpu_blocks: int = 48, num_cpu_blocks: int = 256,
+                         block_size: int = 16, seed: int = 0, modes=MODES) -> list[dict]:
+    """The unpressured reference row, then one row per (mode, partial) in ``modes``."""
+    prompts, params = oversubscribed_workload(num_requests, scale, seed)
+    roomy = EngineConfig(block_size=block_size, num_gpu_blocks=blocks_needed(prompts, params, block_size),
+                         max_num_seqs=num_requests)
+    serve(roomy, prompts[:4], params[:4])  # warm-up: first-call costs fall on no measured row
+    llm, reference, seconds = serve(roomy, prompts, params)
+    rows = [result_row("none (pool fits all)", None, llm, seconds, None)]
+    for mode, partial in modes:
+        config = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                              preemption_mode=mode, partial_preemption=partial, max_num_seqs=num_requests)
+        llm, outputs, seconds = serve(config, prompts, params)
+        rows.append(result_row(mode, partial, llm, seconds, outputs == reference))
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvlib bench preemption", description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--scale", type=int, default=4, help="divide the ShareGPT-like lengths by this")
+    parser.add_argument("--num-gpu-blocks", type=int, default=48)
+    parser.add_argument("--num-cpu-blocks", type=int, default=256)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    prompts, params = oversubscribed_workload(args.num_requests, args.scale, args.seed)
+    need = blocks_needed(prompts, params, args.block_size)
+    rows = run_preemption_bench(args.num_requests, args.scale, args.num_gpu_blocks, args.num_cpu_blocks,
+                                args.block_size, args.seed)
+    print(format_table(rows, f"Preemption: {args.num_requests} ShareGPT-like requests / {args.scale}, default model, "
+                             f"{need} blocks of {args.block_size} needed at once, {args.num_gpu_blocks} device blocks, "
+                             f"{args.num_cpu_blocks} host blocks"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

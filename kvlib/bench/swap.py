@@ -1,0 +1,129 @@
+"""``kvlib bench swap``: moving N scattered KV blocks against one contiguous copy of the same bytes.
+
+Swap preemption moves a victim's blocks, which sit anywhere in the pool, to the host pool and
+back. The engine moves them with ``kvlib.kv_cache.copy_blocks_between``: one gather into a
+staging tensor, one copy across the host link, one scatter. The yardstick is one contiguous
+``copy_`` of a run of N blocks: the same bytes, with nothing to gather or scatter.
+
+- ``out`` copies device pool -> host pool (swap-out), ``in`` the reverse (swap-in). On a GPU the
+  host pool is pinned and the link is PCIe. On a CPU both pools are host memory, so the "link"
+  is a memcpy, and the gather and the scatter each move the bytes once more through the same
+  memory: expect the scattered path near half the contiguous speed there.
+- Each row moves ``total_mib`` of KV, so the smaller the block the more blocks: N distinct random
+  ids in a pool of 2N blocks, to N distinct random ids in another pool of 2N blocks.
+- Times are medians of ``repeats`` runs after one warm-up run, the two copies taking turns so
+  that load from other processes falls on both alike. The warm-up's result is checked byte for
+  byte against the source blocks (``copied right``).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+
+from kvlib.bench.memory import LLAMA3_8B_CONFIG
+from kvlib.bench.report import format_table
+from kvlib.device import resolve_device, resolve_dtype
+from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
+from kvlib.model.config import ModelConfig
+from kvlib.model.default import DEFAULT_CONFIG
+
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+MODELS = {"default": DEFAULT_CONFIG, "llama-3-8b": LLAMA3_8B_CONFIG}
+
+
+def block_spec(model: str, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    """The KV block of ``model`` ("default" or "llama-3-8b") at this block size and dtype."""
+    config = ModelConfig.from_dict(MODELS[model])
+    return KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+
+
+def paired_medians(first: Callable[[], None], second: Callable[[], None], device: torch.device,
+                   repeats: int) -> tuple[float, float]:
+    """Median wall times of ``first`` and ``second``, run alternately so that load from other
+    processes falls on both alike; the GPU is waited for before and after each run."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in zip((first, second), times):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def measure_swap(spec: KVCacheSpec, num_blocks: int, device: torch.device, repeats: int = 5,
+                 seed: int = 0) -> list[dict]:
+    """Rows ``out`` and ``in``: N scattered blocks through ``copy_blocks_between`` vs one contiguous copy."""
+    generator = torch.Generator().manual_seed(seed)
+    pinned = device.type == "cuda"
+    device_pool = KVCachePool(spec, 2 * num_blocks, device)
+    host_pool = KVCachePool(spec, 2 * num_blocks, "cpu", pin_memory=pinned)
+    for pool in (device_pool, host_pool):
+        pool.data.copy_(torch.rand(pool.data.shape, generator=generator).to(spec.dtype))
+    rows = []
+    for direction, src, dst in [("out", device_pool, host_pool), ("in", host_pool, device_pool)]:
+        src_ids = torch.randperm(2 * num_blocks, generator=generator)[:num_blocks].tolist()
+        dst_ids = torch.randperm(2 * num_blocks, generator=generator)[:num_blocks].tolist()
+
+        def scattered():
+            copy_blocks_between(src, dst, src_ids, dst_ids)
+
+        def contiguous():
+            dst.data[:num_blocks].copy_(src.data[:num_blocks])
+
+        scattered()  # the warm-up run, checked
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        copied_right = torch.equal(dst.data[dst_ids].cpu(), src.data[src_ids].cpu())
+        contiguous()
+        scattered_s, contiguous_s = paired_medians(scattered, contiguous, device, repeats)
+        nbytes = num_blocks * spec.block_bytes
+        rows.append({
+            "block size": spec.block_size, "block KiB": spec.block_bytes / 1024, "blocks": num_blocks,
+            "MiB": nbytes / 2**20, "direction": direction,
+            "scattered blocks/s": num_blocks / scattered_s, "scattered GB/s": nbytes / scattered_s / 1e9,
+            "contiguous GB/s": nbytes / contiguous_s / 1e9, "% of contiguous": 100 * contiguous_s / scattered_s,
+            "copied right": copied_right,
+        })
+    return rows
+
+
+def run_swap_bench(block_sizes=BLOCK_SIZES, total_mib: float = 64, model: str = "default", device: str = "auto",
+                   repeats: int = 5, seed: int = 0) -> list[dict]:
+    """Two rows (``out``, ``in``) per block size, each moving ``total_mib`` of KV of ``model``."""
+    where = resolve_device(device)
+    dtype = resolve_dtype("auto", where)
+    rows = []
+    for block_size in block_sizes:
+        spec = block_spec(model, block_size, dtype)
+        num_blocks = max(1, int(total_mib * 2**20 // spec.block_bytes))
+        rows += measure_swap(spec, num_blocks, where, repeats, seed)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvlib bench swap", description=__doc__.splitlines()[0])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
+    parser.add_argument("--total-mib", type=float, default=64, help="KV moved per measurement")
+    parser.add_argument("--model", choices=sorted(MODELS), default="default", help="whose KV block shape")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    where = resolve_device(args.device)
+    rows = run_swap_bench(args.block_sizes, args.total_mib, args.model, args.device, args.repeats, args.seed)
+    link = "device <-> pinned host" if where.type == "cuda" else "host memory <-> host memory (CPU)"
+    print(format_table(rows, f"Swap: N scattered blocks vs one contiguous copy, {args.total_mib:g} MiB of "
+                             f"{args.model} KV ({resolve_dtype('auto', where)}), {link}, median of {args.repeats}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,268 @@
+"""The Triton kernels against the torch reference.
+
+The kernels run in Triton's interpreter unless TRITON_INTERPRET=0 is set (do that on a GPU to
+test the compiled kernels), so shapes stay small: 2 kv heads, head dim 32, up to 5 sequences of
+up to 100 tokens. Every attention case draws its own lengths, most ending mid-block, and shuffled
+block tables; the caches are always strided views of a 6-d pool, as the engine passes them.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import itertools  # noqa: E402
+import types  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvlib import kernels  # noqa: E402
+from kvlib.attention.metadata import AttentionMetadata  # noqa: E402
+from kvlib.attention.torch_backend import (  # noqa: E402
+    TorchAttentionBackend,
+    paged_attention_reference,
+    store_kv_reference,
+)
+from kvlib.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvlib.bench.kernels import decode_case, run_kernel_bench  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0" else "cpu"
+KV_HEADS = 2
+HEAD_DIM = 32
+NUM_LAYERS = 2
+LAYER = 1  # not layer 0, so the views start at an offset into the pool
+SCALE = 0.17
+FP16, FP32, BF16 = torch.float16, torch.float32, torch.bfloat16
+TOLERANCE = {FP32: dict(atol=2e-5, rtol=1e-4), FP16: dict(atol=3e-3, rtol=3e-3), BF16: dict(atol=2e-2, rtol=2e-2)}
+NEEDS_GPU = pytest.mark.skipif(DEVICE != "cuda", reason="bf16 needs a GPU: the interpreter computes through numpy")
+GRID = list(itertools.product((1, 16, 32), (1, 2, 4), (FP32, FP16)))  # block size, GQA ratio, dtype
+
+
+def case_id(block_size, group, dtype):
+    return f"bs{block_size}-gqa{group}-{str(dtype).removeprefix('torch.')}"
+
+
+def random_lengths(seed, min_len=1):
+    """1 to 5 context lengths in ``min_len .. 100``."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 6, (1,), generator=gen))
+    return torch.randint(min_len, 101, (batch,), generator=gen).tolist()
+
+
+def make_pool(num_blocks, block_size, dtype, head_dim=HEAD_DIM, seed=0):
+    """A pool ``[blocks, layers, 2, block_size, kv_heads, head_dim]`` and one layer's K and V views."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, NUM_LAYERS, 2, block_size, KV_HEADS, head_dim)
+    data = torch.randn(shape, generator=gen).to(dtype=dtype, device=DEVICE)
+    return data, data[:, LAYER, 0], data[:, LAYER, 1]
+
+
+def make_block_tables(context_lens, block_size, seed=0):
+    """Disjoint, shuffled block ids for each sequence, padded with 0; also the pool size they need."""
+    needed = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(needed) + 3
+    ids = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = torch.zeros(len(context_lens), max(needed) + 1, dtype=torch.int32)
+    for i, count in enumerate(needed):
+        tables[i, :count] = torch.tensor(ids[:count])
+        ids = ids[count:]
+    return tables.to(DEVICE), num_blocks
+
+
+def make_meta(context_lens, query_lens, block_tables, block_size):
+    """Metadata for one step; the slots are those of each sequence's last ``query_len`` positions."""
+    starts = [0]
+    slots = []
+    for i, (n, q) in enumerate(zip(context_lens, query_lens)):
+        starts.append(starts[-1] + q)
+        for pos in range(n - q, n):
+            slots.append(int(block_tables[i, pos // block_size]) * block_size + pos % block_size)
+    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
+    return AttentionMetadata(
+        slot_mapping=as_tensor(slots, torch.int64), block_tables=block_tables,
+        context_lens=as_tensor(context_lens, torch.int32), query_start=as_tensor(starts, torch.int32),
+        max_query_len=max(query_lens), max_context_len=max(context_lens))
+
+
+def randn(*shape, dtype=FP32, seed=1):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype=dtype, device=DEVICE)
+
+
+def check_decode(context_lens, block_size, group, dtype, head_dim=HEAD_DIM, num_splits=1):
+    tables, num_blocks = make_block_tables(context_lens, block_size)
+    _, k_cache, v_cache = make_pool(num_blocks, block_size, dtype, head_dim)
+    meta = make_meta(context_lens, [1] * len(context_lens), tables, block_size)
+    query = randn(len(context_lens), KV_HEADS * group, head_dim, dtype=dtype)
+    out = kernels.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, SCALE,
+                                         max_context_len=meta.max_context_len, num_splits=num_splits)
+    expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def check_prefill(context_lens, query_lens, block_size, group, dtype):
+    tables, num_blocks = make_block_tables(context_lens, block_size)
+    _, k_cache, v_cache = make_pool(num_blocks, block_size, dtype)
+    meta = make_meta(context_lens, query_lens, tables, block_size)
+    query = randn(sum(query_lens), KV_HEADS * group, HEAD_DIM, dtype=dtype)
+    out = kernels.paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                          meta.query_start, meta.max_query_len, SCALE)
+    expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size, group, dtype", GRID, ids=[case_id(*case) for case in GRID])
+def test_decode_matches_reference(block_size, group, dtype):
+    check_decode(random_lengths(seed=GRID.index((block_size, group, dtype))), block_size, group, dtype)
+
+
+@pytest.mark.parametrize("context_lens, block_size, group, dtype", [
+    pytest.param([1], 1, 1, FP32, id="one-token"),
+    pytest.param([16, 32, 64, 1], 16, 2, FP32, id="full-blocks"),
+    pytest.param([90, 3, 128], 128, 4, FP32, id="block-size-128"),
+    pytest.param([65, 64, 63], 64, 8, FP32, id="one-tile-plus-one-gqa8"),
+    pytest.param([70, 3, 45], 16, 2, BF16, id="bf16", marks=NEEDS_GPU),
+])
+def test_decode_edge_cases(context_lens, block_size, group, dtype):
+    check_decode(context_lens, block_size, group, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])  # 96 is padded to 128 inside the kernel
+def test_decode_head_dims(head_dim):
+    check_decode([40, 9], 16, 2, FP32, head_dim=head_dim)
+
+
+SPLIT_GRID = [(1, 2, 4), (16, 1, 3), (16, 4, 7), (32, 2, 2), (32, 4, 5)]  # block size, GQA ratio, splits
+
+
+@pytest.mark.parametrize("dtype", [FP32, FP16], ids=["float32", "float16"])
+@pytest.mark.parametrize("block_size, group, num_splits", SPLIT_GRID,
+                         ids=[f"bs{b}-gqa{g}-splits{n}" for b, g, n in SPLIT_GRID])
+def test_split_decode_matches_reference(block_size, group, num_splits, dtype):
+    # One sequence of 100 tokens fixes the split size; the shorter ones leave trailing splits empty.
+    context_lens = [100] + random_lengths(seed=SPLIT_GRID.index((block_size, group, num_splits)))
+    check_decode(context_lens, block_size, group, dtype, num_splits=num_splits)
+
+
+def test_split_rule(monkeypatch):
+    assert kernels.choose_num_splits(1, 8, 32768, torch.device("cpu")) == 1
+    props = types.SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    cuda = torch.device("cuda")
+    assert kernels.choose_num_splits(1, 8, 32768, cuda) == 33  # 8 programs -> about 2 per SM
+    assert kernels.choose_num_splits(1, 8, 2048, cuda) == 4  # no split shorter than 512 tokens
+    assert kernels.choose_num_splits(1, 8, 500, cuda) == 1
+    assert kernels.choose_num_splits(32, 8, 4096, cuda) == 1  # the plain grid already fills the device
+
+
+def random_prefill_step(seed):
+    """Each sequence is a whole prompt, a prompt behind a cached prefix, or a single decode token."""
+    gen = torch.Generator().manual_seed(seed)
+    context_lens = random_lengths(seed)
+    query_lens = []
+    for n in context_lens:
+        kind = int(torch.randint(3, (1,), generator=gen))
+        query_lens.append([n, int(torch.randint(1, n + 1, (1,), generator=gen)), 1][kind])
+    if max(query_lens) == 1:
+        query_lens[0] = context_lens[0]  # a decode-only step is not a prefill case
+    return context_lens, query_lens
+
+
+@pytest.mark.parametrize("block_size, group, dtype", GRID, ids=[case_id(*case) for case in GRID])
+def test_prefill_matches_reference(block_size, group, dtype):
+    check_prefill(*random_prefill_step(seed=100 + GRID.index((block_size, group, dtype))), block_size, group, dtype)
+
+
+@pytest.mark.parametrize("context_lens, query_lens, block_size, group, dtype", [
+    pytest.param([100], [100], 16, 1, FP32, id="prompt-over-two-programs"),
+    pytest.param([37, 100, 5], [37, 20, 1], 16, 2, FP32, id="cached-prefix-and-decode"),
+    pytest.param([64, 33, 90, 1], [64, 1, 45, 1], 32, 8, FP32, id="gqa8"),
+    pytest.param([77, 50], [77, 13], 32, 2, BF16, id="bf16", marks=NEEDS_GPU),
+])
+def test_prefill_edge_cases(context_lens, query_lens, block_size, group, dtype):
+    check_prefill(context_lens, query_lens, block_size, group, dtype)
+
+
+@pytest.mark.parametrize("block_size, key_dtype, cache_dtype", [
+    pytest.param(1, FP32, FP32, id="bs1-float32"),
+    pytest.param(16, FP32, FP32, id="bs16-float32"),
+    pytest.param(32, FP16, FP16, id="bs32-float16"),
+    pytest.param(16, FP32, FP16, id="float32-into-float16-cache"),
+])
+def test_store_kv_matches_reference(block_size, key_dtype, cache_dtype):
+    data, k_cache, v_cache = make_pool(16, block_size, cache_dtype)
+    expected, k_expected, v_expected = make_pool(16, block_size, cache_dtype)
+    num_tokens = 9
+    slots = torch.randperm(16 * block_size, generator=torch.Generator().manual_seed(3))[:num_tokens]
+    slots[[2, 5]] = -1
+    slots = slots.to(DEVICE)
+    key = randn(num_tokens, KV_HEADS, HEAD_DIM, dtype=key_dtype, seed=4)
+    value = randn(num_tokens, KV_HEADS, HEAD_DIM, dtype=key_dtype, seed=5)
+    kernels.store_kv(key, value, k_cache, v_cache, slots)
+    store_kv_reference(key, value, k_expected, v_expected, slots)
+    torch.testing.assert_close(data, expected, atol=0, rtol=0)
+
+
+def test_copy_blocks_matches_indexing():
+    data, _, _ = make_pool(8, 16, FP32)
+    expected = data.clone()
+    src, dst = [1, 1, 4], [0, 6, 7]
+    expected[dst] = expected[src]
+    kernels.copy_blocks(data, src, dst)
+    torch.testing.assert_close(data, expected, atol=0, rtol=0)
+    kernels.copy_blocks(data, torch.tensor([], dtype=torch.int64), [])
+    torch.testing.assert_close(data, expected, atol=0, rtol=0)
+    with pytest.raises(ValueError):
+        kernels.copy_blocks(data, [1, 2], [3])
+
+
+def test_backend_matches_torch_backend():
+    """A prefill step then a decode step through both backends, with q/k/v sliced from one fused tensor."""
+    block_size, group = 16, 2
+    context_lens, query_lens = [45, 20, 61], [45, 3, 30]
+    tables, num_blocks = make_block_tables([n + 1 for n in context_lens], block_size)
+    data, _, _ = make_pool(num_blocks, block_size, FP32)
+    steps = [(context_lens, query_lens), ([n + 1 for n in context_lens], [1] * len(context_lens))]
+    results = {}
+    for backend in (TritonAttentionBackend(), TorchAttentionBackend()):
+        pool = data.clone()
+        k_cache, v_cache = pool[:, LAYER, 0], pool[:, LAYER, 1]
+        outputs = []
+        for seed, (step_context, step_query) in enumerate(steps):
+            meta = make_meta(step_context, step_query, tables, block_size)
+            qkv = randn(sum(step_query), KV_HEADS * (group + 2), HEAD_DIM, seed=seed)
+            query, key, value = qkv.split([KV_HEADS * group, KV_HEADS, KV_HEADS], dim=1)
+            backend.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+            outputs.append(backend.forward(query, k_cache, v_cache, meta, SCALE))
+        results[backend.name] = (outputs, pool)
+    (triton_outputs, triton_pool), (torch_outputs, torch_pool) = results["triton"], results["torch"]
+    torch.testing.assert_close(triton_pool, torch_pool, atol=0, rtol=0)
+    for got, want in zip(triton_outputs, torch_outputs):
+        torch.testing.assert_close(got, want, **TOLERANCE[FP32])
+
+
+def test_backend_copy_blocks():
+    data, _, _ = make_pool(5, 16, FP16)
+    expected = data.clone()
+    expected[3] = expected[0]
+    TritonAttentionBackend().copy_blocks(data, [0], [3])
+    torch.testing.assert_close(data, expected, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_kernel_bench_is_empty_without_cuda():
+    assert run_kernel_bench() == []
+
+
+def test_kernel_bench_baseline_computes_the_same_attention():
+    """The SDPA baseline the bench times must do the kernel's work, or the comparison means nothing."""
+    paged, sdpa, _ = decode_case(batch=2, context=40, device=DEVICE)
+    torch.testing.assert_close(paged(2), sdpa(), **TOLERANCE[FP16])
+
+
+def test_missing_triton_fails_only_on_use(monkeypatch):
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    with pytest.raises(ImportError, match="Triton"):
+        kernels.paged_decode_attention  # noqa: B018
+    with pytest.raises(ImportError, match="Triton"):
+        TritonAttentionBackend()
