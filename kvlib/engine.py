@@ -33,7 +33,8 @@ CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_bloc
 
 class LLMEngine:
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
-                 allocator=None, preemption_policy=None, attention_backend=None, verbose: bool = True):
+                 allocator=None, preemption_policy=None, attention_backend=None, block_sharing=None,
+                 oversubscription_detector=None, verbose: bool = True):
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -56,9 +57,9 @@ class LLMEngine:
         make_allocator = allocator or BlockAllocator
         self.metrics = EngineMetrics()
         self.policy = preemption_policy or self._default_policy(verbose)
-        self.oversubscription = OversubscriptionDetector()
+        self.oversubscription = oversubscription_detector or OversubscriptionDetector()
         self.scheduler = Scheduler(config, make_allocator(num_gpu_blocks), make_allocator(config.num_cpu_blocks),
-                                   self.policy, self.metrics, self.spec.block_bytes)
+                                   self.policy, self.metrics, self.spec.block_bytes, block_sharing)
         self._requests: dict[str, list[Sequence]] = {}
         self._rejected: list[RequestOutput] = []
         self._seq_ids = itertools.count()

@@ -15,14 +15,18 @@ Prompt = Union[str, list[int]]
 class LLM:
     """Serve prompts on a paged KV cache.
 
-    ``allocator`` (a class or factory called with a pool's block count), ``preemption_policy`` and
-    ``attention_backend`` replace the engine's own pieces, so your code can run inside it.
+    Pluggable pieces replace the engine's own, so your code runs inside the real engine:
+    ``allocator`` (a class or factory called with a pool's block count, see ``block_allocator.py``),
+    ``preemption_policy`` (``preemption.py``), ``attention_backend`` (``attention/``),
+    ``block_sharing`` (``sharing.py``) and ``oversubscription_detector`` (``oversubscription.py``).
     """
 
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
-                 allocator=None, preemption_policy=None, attention_backend=None, verbose: bool = True):
+                 allocator=None, preemption_policy=None, attention_backend=None, block_sharing=None,
+                 oversubscription_detector=None, verbose: bool = True):
         self.engine = LLMEngine(model, config, allocator=allocator, preemption_policy=preemption_policy,
-                                attention_backend=attention_backend, verbose=verbose)
+                                attention_backend=attention_backend, block_sharing=block_sharing,
+                                oversubscription_detector=oversubscription_detector, verbose=verbose)
 
     @property
     def metrics(self) -> EngineMetrics:

@@ -24,6 +24,7 @@ from kvlib.metrics import EngineMetrics
 from kvlib.prefix_cache import PrefixCache
 from kvlib.preemption import PreemptionContext, VictimCandidate
 from kvlib.sequence import Sequence, SequenceStatus
+from kvlib.sharing import BlockSharing
 
 
 @dataclass
@@ -45,12 +46,13 @@ def by_arrival(seq: Sequence) -> tuple[float, int]:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, gpu_allocator, cpu_allocator, policy, metrics: EngineMetrics,
-                 block_bytes: int):
+                 block_bytes: int, sharing=None):
         self.config = config
         self.block_size = config.block_size
         self.gpu = gpu_allocator
         self.cpu = cpu_allocator
         self.policy = policy
+        self.sharing = sharing or BlockSharing()
         self.metrics = metrics
         self.block_bytes = block_bytes
         self.cache = PrefixCache(gpu_allocator) if config.enable_prefix_caching else None
@@ -102,7 +104,7 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` continues from ``parent``'s computed tokens, sharing every block by reference."""
-        child.block_table.blocks = [self.gpu.fork(b) for b in parent.block_table.blocks]
+        child.block_table.blocks = self.sharing.fork(self.gpu, list(parent.block_table.blocks))
         child.num_computed_tokens = child.peak_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         self._move(child, SequenceStatus.RUNNING)
@@ -280,12 +282,10 @@ class Scheduler:
 
     def _copy_on_write(self, seq: Sequence, indices: list[int], out: SchedulerOutput) -> None:
         for index in indices:
-            old = seq.block_table.blocks[index]
-            new = self._take_block()
-            out.copies.append((old, new))
-            self.gpu.free(old)
-            seq.block_table.blocks[index] = new
-        self.metrics.num_cow_copies += len(indices)
+            copy = self.sharing.make_writable(self.gpu, seq.block_table.blocks, index, self._take_block)
+            if copy is not None:
+                out.copies.append(copy)
+                self.metrics.num_cow_copies += 1
 
     def _release_device(self, seq: Sequence, count: int) -> None:
         """Drop ``seq``'s reference to its last ``count`` blocks (shared ones live on for the others)."""
