@@ -6,11 +6,12 @@ On a machine without a usable GPU, Triton kernels can still run under the Triton
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
+
+from kvlib.kernels import triton_available
 
 MIN_TRITON_CAPABILITY = (8, 0)
 
@@ -18,10 +19,6 @@ MIN_TRITON_CAPABILITY = (8, 0)
 def enable_triton_interpreter_without_gpu() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_device(requested: str = "auto") -> torch.device:

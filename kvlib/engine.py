@@ -218,8 +218,11 @@ class LLMEngine:
             src, dst = zip(*plan.swap_out)
             copy_blocks_between(self.gpu_pool, self.cpu_pool, list(src), list(dst))
         if plan.copies:  # after swap-out: a copy may land in a block whose old contents just left
-            src, dst = zip(*plan.copies)
-            copy_blocks_between(self.gpu_pool, self.gpu_pool, list(src), list(dst))
+            src, dst = map(list, zip(*plan.copies))
+            if hasattr(self.backend, "copy_blocks"):
+                self.backend.copy_blocks(self.gpu_pool.data, src, dst)
+            else:
+                copy_blocks_between(self.gpu_pool, self.gpu_pool, src, dst)
         if plan.swap_in:
             src, dst = zip(*plan.swap_in)
             copy_blocks_between(self.cpu_pool, self.gpu_pool, list(src), list(dst))

@@ -121,3 +121,17 @@ def run_kernel_bench() -> list[dict]:
         del paged, sdpa
         torch.cuda.empty_cache()
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from kvlib.bench.report import format_table
+    argparse.ArgumentParser(prog="kvlib bench kernels", description=__doc__.splitlines()[0]).parse_args(argv)
+    rows = run_kernel_bench()
+    if not rows:
+        print("kvlib bench kernels: no CUDA GPU here, nothing to measure (the kernels' correctness is "
+              "tested on the CPU under the Triton interpreter: pytest tests/test_kernels.py)")
+        return 0
+    print(format_table(rows, f"paged decode attention on {torch.cuda.get_device_name()}"))
+    return 0
