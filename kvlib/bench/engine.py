@@ -1,0 +1,158 @@
+"""``kvlib bench engine``: kvlib against transformers ``generate`` with static batches.
+
+Same model (the same safetensors folder), same workload, same KV memory budget, one run:
+
+- the workload is the ShareGPT-like length mix of :mod:`kvlib.bench.workloads`, scaled down by
+  ``--scale`` so it runs on a CPU, arriving as a Poisson process at ``--rate`` requests/s;
+- kvlib gets a paged pool of ``budget`` token slots and serves requests as they arrive
+  (continuous batching);
+- transformers gets the same memory as a static reservation: a batch of ``B`` requests holds
+  ``B x (longest prompt + longest output)`` slots, so ``B = budget // (max prompt + max output)``.
+  A batch starts when the previous one ends, with up to ``B`` requests that have arrived; it is
+  padded to its longest prompt and runs until its longest output is done.
+
+Both count only the tokens each request asked for (``ignore_eos``), report output tokens per
+second over the whole run, time to first token and end-to-end latency per request.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kvlib.bench.report import format_table
+from kvlib.bench.workloads import sharegpt_like_lengths
+from kvlib.config import EngineConfig, SamplingParams
+from kvlib.llm import LLM
+from kvlib.metrics import percentile
+from kvlib.model.default import default_model_path
+
+
+@dataclass
+class Request:
+    arrival: float  # seconds after the start
+    prompt: list[int]
+    max_tokens: int
+
+
+def make_workload(num_requests: int, scale: float, rate: float, vocab_size: int, seed: int = 0) -> list[Request]:
+    rng = random.Random(seed)
+    clock, requests = 0.0, []
+    for prompt_len, output_len in sharegpt_like_lengths(num_requests, seed=seed, max_len=1024):
+        clock += rng.expovariate(rate)
+        prompt = [rng.randrange(3, vocab_size) for _ in range(max(1, round(prompt_len * scale)))]
+        requests.append(Request(clock, prompt, max(1, round(output_len * scale))))
+    return requests
+
+
+def _latency_row(name: str, tokens: int, elapsed: float, ttfts: list[float], e2es: list[float]) -> dict:
+    ttfts, e2es = sorted(ttfts), sorted(e2es)
+    return {"engine": name, "output tokens/s": tokens / elapsed, "TTFT p50 s": percentile(ttfts, 50),
+            "TTFT p99 s": percentile(ttfts, 99), "E2E p50 s": percentile(e2es, 50), "E2E p99 s": percentile(e2es, 99),
+            "wall s": elapsed}
+
+
+def run_kvlib(folder: Path, requests: list[Request], budget_tokens: int, block_size: int) -> dict:
+    config = EngineConfig(block_size=block_size, num_gpu_blocks=budget_tokens // block_size,
+                          max_num_seqs=256, preemption_mode="recompute")
+    llm = LLM(folder, config, verbose=False)
+    engine = llm.engine
+    llm.generate([requests[0].prompt], SamplingParams(max_tokens=2))  # warm-up
+    llm.metrics.reset()
+    start, pending, first, done = time.perf_counter(), list(enumerate(requests)), {}, {}
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0][1].arrival <= now:
+            i, r = pending.pop(0)
+            engine.add_request(str(i), r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
+                               arrival_time=start + r.arrival)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, pending[0][1].arrival - now))
+            continue
+        for out in engine.step():
+            t = time.perf_counter() - start
+            first.setdefault(out.request_id, t)
+            if out.finished:
+                done[out.request_id] = t
+    elapsed = time.perf_counter() - start
+    ttfts = [first[str(i)] - r.arrival for i, r in enumerate(requests)]
+    e2es = [done[str(i)] - r.arrival for i, r in enumerate(requests)]
+    row = _latency_row("kvlib (paged, continuous batching)", sum(r.max_tokens for r in requests), elapsed, ttfts, e2es)
+    row["preemptions"] = llm.metrics.num_preemptions
+    return row
+
+
+class FirstTokenTimer:
+    """A ``generate`` streamer that notes when the first new tokens arrive (its first call is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first_token = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(folder: Path, requests: list[Request], budget_tokens: int) -> dict:
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    batch_size = max(1, budget_tokens // max(len(r.prompt) + r.max_tokens for r in requests))
+    pad = 0
+    model.generate(torch.tensor([requests[0].prompt]), max_new_tokens=2, do_sample=False, pad_token_id=pad)  # warm-up
+    start, queue, ttfts, e2es = time.perf_counter(), list(requests), [], []
+    while queue:
+        now = time.perf_counter() - start
+        if queue[0].arrival > now:
+            time.sleep(queue[0].arrival - now)
+            now = queue[0].arrival
+        batch = [r for r in queue if r.arrival <= now][:batch_size]
+        del queue[:len(batch)]
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        new = max(r.max_tokens for r in batch)
+        timer = FirstTokenTimer()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=pad, streamer=timer)
+        end = time.perf_counter() - start
+        ttfts.extend(timer.first_token - start - r.arrival for r in batch)
+        e2es.extend(end - r.arrival for r in batch)
+    elapsed = time.perf_counter() - start
+    row = _latency_row(f"transformers generate (static batches of {batch_size})",
+                       sum(r.max_tokens for r in requests), elapsed, ttfts, e2es)
+    row["preemptions"] = 0
+    return row
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvlib bench engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default", help="a Hugging Face model folder, or default")
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--scale", type=float, default=0.25, help="multiply the length mix by this")
+    parser.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
+    parser.add_argument("--budget", type=int, default=4096, help="KV memory budget in token slots")
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args(argv)
+    folder = default_model_path() if args.model == "default" else Path(args.model)
+    vocab = LLM(folder, EngineConfig(num_gpu_blocks=1, block_size=1), verbose=False).engine.model_config.vocab_size
+    requests = make_workload(args.requests, args.scale, args.rate, vocab)
+    rows = [run_transformers(folder, requests, args.budget), run_kvlib(folder, requests, args.budget, args.block_size)]
+    rows[1]["x transformers"] = rows[1]["output tokens/s"] / rows[0]["output tokens/s"]
+    rows[0]["x transformers"] = 1.0
+    print(format_table(rows, f"{len(requests)} requests at {args.rate}/s, lengths x{args.scale}, "
+                             f"KV budget {args.budget} token slots, model {folder.name}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
