@@ -29,6 +29,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     partial_preemption: bool = False
     enable_prefix_caching: bool = False
+    host_prefix_cache: bool = False  # tiered caching: prefix blocks evicted from the device wait in the host pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     watermark: float = 0.01  # fraction of the device pool kept free when admitting new requests
@@ -54,6 +55,9 @@ class EngineConfig:
                  f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
         _require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
                  f"watermark is a fraction of the device pool in [0, 1), got {self.watermark!r}; try 0.01")
+        _require(not self.host_prefix_cache or (self.enable_prefix_caching and self.num_cpu_blocks > 0),
+                 "host_prefix_cache keeps evicted prefix blocks in the host pool: it needs enable_prefix_caching=True "
+                 "and num_cpu_blocks > 0")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,

@@ -12,7 +12,7 @@ import torch
 from kvlib.block_allocator import BlockAllocator
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
-from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
+from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, gather_blocks, scatter_blocks
 from kvlib.metrics import EngineMetrics, StepRecord
 from kvlib.model.default import default_model_path
 from kvlib.model.loader import load_model
@@ -210,22 +210,28 @@ class LLMEngine:
             self.metrics.recompute_time += forward_seconds * redone / plan.num_batched_tokens
 
     def _swap(self, plan: SchedulerOutput) -> None:
-        """Move blocks: swap-outs, then copy-on-write copies, then swap-ins, each one batched copy."""
+        """Move this step's blocks: each copy reads what the block held when the step began.
+
+        A block freed by one move may be reused by another in the same step (a host block a
+        resumed sequence just left can receive an evicted prefix block), so every source is
+        gathered before anything is written. Copy-on-write sources are never written in a step
+        (they are still shared), so those copies can run in place, between the two phases.
+        """
         if not (plan.swap_out or plan.swap_in or plan.copies):
             return
         start = time.perf_counter()
-        if plan.swap_out:
-            src, dst = zip(*plan.swap_out)
-            copy_blocks_between(self.gpu_pool, self.cpu_pool, list(src), list(dst))
-        if plan.copies:  # after swap-out: a copy may land in a block whose old contents just left
+        out_staged = gather_blocks(self.gpu_pool, [d for d, _ in plan.swap_out]) if plan.swap_out else None
+        in_staged = gather_blocks(self.cpu_pool, [h for h, _ in plan.swap_in]) if plan.swap_in else None
+        if plan.copies:
             src, dst = map(list, zip(*plan.copies))
             if hasattr(self.backend, "copy_blocks"):
                 self.backend.copy_blocks(self.gpu_pool.data, src, dst)
             else:
                 copy_blocks_between(self.gpu_pool, self.gpu_pool, src, dst)
-        if plan.swap_in:
-            src, dst = zip(*plan.swap_in)
-            copy_blocks_between(self.cpu_pool, self.gpu_pool, list(src), list(dst))
+        if out_staged is not None:
+            scatter_blocks(self.cpu_pool, [h for _, h in plan.swap_out], out_staged)
+        if in_staged is not None:
+            scatter_blocks(self.gpu_pool, [d for _, d in plan.swap_in], in_staged)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.metrics.swap_time += time.perf_counter() - start
@@ -257,6 +263,7 @@ class LLMEngine:
         if s.cache is not None:
             self.metrics.prefix_cache_queried_tokens = s.cache.num_queried_tokens
             self.metrics.prefix_cache_hit_tokens = s.cache.num_hit_tokens
+            self.metrics.prefix_cache_host_hit_tokens = s.cache.num_host_hit_tokens
         tables = [seq.block_table.blocks for seq in s.waiting + s.running + s.swapped]
         self.metrics.timeline.append(StepRecord(
             step=self._step, time=time.perf_counter() - start,

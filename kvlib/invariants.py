@@ -34,6 +34,7 @@ def check_invariants(engine) -> None:
     host_owners = Counter(b for seq in live for b in seq.host_blocks)
     if s.cache is not None:  # the prefix cache holds one reference to each block it names
         device_owners.update(b for b in range(s.gpu.num_blocks) if b in s.cache)
+        host_owners.update(s.cache.host_blocks())
     _check_pool("device", s.gpu, device_owners)
     _check_pool("host", s.cpu, host_owners)
     for seq in live:

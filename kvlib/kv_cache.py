@@ -52,19 +52,28 @@ class KVCachePool:
         return self.data[:, index, 0], self.data[:, index, 1]
 
 
+def gather_blocks(pool: KVCachePool, ids: list[int]) -> torch.Tensor:
+    """Blocks ``ids`` of a pool, all layers, K and V, as one contiguous staging tensor (one call)."""
+    return pool.data.index_select(0, torch.tensor(ids, dtype=torch.long, device=pool.device))
+
+
+def scatter_blocks(pool: KVCachePool, ids: list[int], staged: torch.Tensor) -> None:
+    """Write staged blocks into blocks ``ids`` of a pool: one copy across devices, one scatter.
+
+    The cross-device copy is asynchronous when the host side is pinned.
+    """
+    if staged.device != pool.device:
+        staged = staged.to(pool.device, non_blocking=pool.data.is_pinned() or staged.is_pinned())
+    pool.data.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), staged)
+
+
 def copy_blocks_between(src: KVCachePool, dst: KVCachePool, src_ids: list[int], dst_ids: list[int]) -> None:
     """Copy blocks ``src_ids`` of one pool into blocks ``dst_ids`` of another (or the same) pool.
 
-    One gather into a contiguous staging tensor, one copy across devices (asynchronous when the
-    host side is pinned), one scatter: three calls whatever the number of blocks and layers.
+    One gather into a contiguous staging tensor, one copy across devices, one scatter: three calls
+    whatever the number of blocks and layers.
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    if not src_ids:
-        return
-    src_index = torch.tensor(src_ids, dtype=torch.long, device=src.device)
-    staged = src.data.index_select(0, src_index)
-    if staged.device != dst.device:
-        staged = staged.to(dst.device, non_blocking=dst.data.is_pinned() or src.data.is_pinned())
-    dst_index = torch.tensor(dst_ids, dtype=torch.long, device=dst.device)
-    dst.data.index_copy_(0, dst_index, staged)
+    if src_ids:
+        scatter_blocks(dst, dst_ids, gather_blocks(src, src_ids))

@@ -53,6 +53,7 @@ class EngineMetrics:
     num_cow_copies: int = 0  # shared blocks copied on a sequence's first write into them
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    prefix_cache_host_hit_tokens: int = 0  # hits copied back from the host tier instead of recomputed
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0

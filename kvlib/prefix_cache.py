@@ -5,6 +5,10 @@ two blocks share a name only if every token before them matches too. The cache o
 reference to each block it names; when every sequence has let go, the block stays cached but
 becomes evictable, and the least recently used evictable block is the first to be reclaimed.
 A hit compares the stored token ids, not only the hash.
+
+With a host tier (tiered caching), a block evicted from the device is first copied into the host
+pool, where it stays, least recently used first out, so a returning long conversation copies its
+prefix back over the host link instead of recomputing it.
 """
 from __future__ import annotations
 
@@ -23,14 +27,26 @@ class CachedBlock:
     tokens: tuple[int, ...]
 
 
+@dataclass
+class PrefixHit:
+    block_id: int  # a device block, or a host block when ``on_host``
+    name: int
+    on_host: bool = False
+
+
 class PrefixCache:
-    def __init__(self, allocator):
+    def __init__(self, allocator, host_allocator=None):
         self.allocator = allocator
+        self.host_allocator = host_allocator  # None: no host tier
         self._by_hash: dict[int, CachedBlock] = {}
         self._block_hash: dict[int, int] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # block ids, least recently used first
+        self._lru: OrderedDict[int, None] = OrderedDict()  # device block ids, least recently used first
+        self._host: OrderedDict[int, CachedBlock] = OrderedDict()  # name -> host block, least recently used first
+        self._pinned: set[int] = set()  # host blocks written this step: one copy each per step
+        self.demotions: list[tuple[int, int]] = []  # (device, host) copies owed by this step
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_host_hit_tokens = 0
 
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._block_hash
@@ -40,24 +56,39 @@ class PrefixCache:
         return len(self._block_hash)
 
     @property
+    def num_host_cached(self) -> int:
+        return len(self._host)
+
+    def host_blocks(self) -> list[int]:
+        return [entry.block_id for entry in self._host.values()]
+
+    @property
     def num_evictable(self) -> int:
         return sum(1 for b in self._block_hash if self.allocator.ref_count(b) == 1)
 
-    def match(self, token_ids: list[int], block_size: int) -> list[tuple[int, int]]:
-        """(block id, name) of the cached blocks holding the leading full blocks of ``token_ids``."""
+    def start_step(self) -> None:
+        self._pinned.clear()
+
+    def match(self, token_ids: list[int], block_size: int) -> list[PrefixHit]:
+        """The cached leading full blocks of ``token_ids``: on the device, then on the host tier."""
         hits, previous = [], None
         for start in range(0, len(token_ids) - block_size + 1, block_size):
             tokens = tuple(token_ids[start:start + block_size])
             previous = block_hash(previous, tokens)
             cached = self._by_hash.get(previous)
-            if cached is None or cached.tokens != tokens:
+            if cached is not None and cached.tokens == tokens:
+                hits.append(PrefixHit(cached.block_id, previous))
+                continue
+            stored = self._host.get(previous)
+            if stored is None or stored.tokens != tokens:
                 break
-            hits.append((cached.block_id, previous))
+            hits.append(PrefixHit(stored.block_id, previous, on_host=True))
         return hits
 
-    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_query(self, num_tokens: int, hits: list[PrefixHit], block_size: int) -> None:
         self.num_queried_tokens += num_tokens
-        self.num_hit_tokens += num_hit_tokens
+        self.num_hit_tokens += len(hits) * block_size
+        self.num_host_hit_tokens += sum(block_size for h in hits if h.on_host)
 
     def touch(self, block_id: int) -> None:
         self._lru.move_to_end(block_id)
@@ -66,18 +97,48 @@ class PrefixCache:
         """Name a freshly filled block; the cache takes a reference unless the name is already cached."""
         name = block_hash(previous, tokens)
         if name not in self._by_hash:
-            self._by_hash[name] = CachedBlock(block_id, tokens)
-            self._block_hash[block_id] = name
-            self._lru[block_id] = None
-            self.allocator.fork(block_id)
+            self.insert_named(name, tokens, block_id)
         return name
+
+    def promote(self, hit: PrefixHit, device_block: int) -> None:
+        """A host-tier hit copied back into ``device_block``: cache it on the device again."""
+        self._host.move_to_end(hit.name)
+        self.insert_named(hit.name, self._host[hit.name].tokens, device_block)
+
+    def insert_named(self, name: int, tokens: tuple[int, ...], block_id: int) -> None:
+        self._by_hash[name] = CachedBlock(block_id, tokens)
+        self._block_hash[block_id] = name
+        self._lru[block_id] = None
+        self.allocator.fork(block_id)
 
     def evict_one(self) -> bool:
         """Release the least recently used block that only the cache holds; False if there is none."""
         for block_id in self._lru:
             if self.allocator.ref_count(block_id) == 1:
                 del self._lru[block_id]
-                del self._by_hash[self._block_hash.pop(block_id)]
+                name = self._block_hash.pop(block_id)
+                entry = self._by_hash.pop(name)
+                self._demote(name, entry)
                 self.allocator.free(block_id)
+                return True
+        return False
+
+    def _demote(self, name: int, entry: CachedBlock) -> None:
+        """Keep an evicted device block on the host tier, if there is one and it has (or makes) room."""
+        if self.host_allocator is None or name in self._host:
+            return
+        if self.host_allocator.num_free == 0 and not self.evict_host_one():
+            return
+        host_block = self.host_allocator.allocate()
+        self._pinned.add(host_block)
+        self.demotions.append((entry.block_id, host_block))
+        self._host[name] = CachedBlock(host_block, entry.tokens)
+
+    def evict_host_one(self) -> bool:
+        """Free the least recently used host-tier block not written earlier in this step."""
+        for name, entry in self._host.items():
+            if entry.block_id not in self._pinned:
+                del self._host[name]
+                self.host_allocator.free(entry.block_id)
                 return True
         return False

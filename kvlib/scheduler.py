@@ -21,7 +21,7 @@ from kvlib.block_allocator import AllocStatus
 from kvlib.block_table import blocks_for
 from kvlib.config import EngineConfig
 from kvlib.metrics import EngineMetrics
-from kvlib.prefix_cache import PrefixCache
+from kvlib.prefix_cache import PrefixCache, PrefixHit
 from kvlib.preemption import PreemptionContext, VictimCandidate
 from kvlib.sequence import Sequence, SequenceStatus
 from kvlib.sharing import BlockSharing
@@ -55,7 +55,8 @@ class Scheduler:
         self.sharing = sharing or BlockSharing()
         self.metrics = metrics
         self.block_bytes = block_bytes
-        self.cache = PrefixCache(gpu_allocator) if config.enable_prefix_caching else None
+        host_tier = cpu_allocator if config.host_prefix_cache else None
+        self.cache = PrefixCache(gpu_allocator, host_tier) if config.enable_prefix_caching else None
         self.watermark_blocks = int(config.watermark * gpu_allocator.num_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -157,12 +158,17 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.cache is not None:
+            self.cache.start_step()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if out.num_preemptions == 0:
             self._resume(out, budget)
         if not out.scheduled and self.has_unfinished():
             self._release_holders(out)  # everyone waits on blocks held by preempted sequences
             self._resume(out, budget)
+        if self.cache is not None:  # evicted prefix blocks on their way to the host tier
+            out.swap_out.extend(self.cache.demotions)
+            self.cache.demotions.clear()
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -225,23 +231,30 @@ class Scheduler:
         hits = self._prefix_hits(seq)
         computed = seq.num_computed_tokens + len(hits) * self.block_size
         num_new = min(seq.num_tokens - computed, budget)
-        needed = max(0, blocks_for(computed + num_new, self.block_size) - len(seq.block_table) - len(hits))
-        revived = sum(1 for b, _ in hits if self.gpu.ref_count(b) == 1)
+        from_host = sum(1 for h in hits if h.on_host)
+        needed = from_host + max(0, blocks_for(computed + num_new, self.block_size) - len(seq.block_table) - len(hits))
+        revived = sum(1 for h in hits if not h.on_host and self.gpu.ref_count(h.block_id) == 1)
         if self._admission(needed, revived) is not AllocStatus.OK:
             return False
         if self.cache is not None and not seq.block_table.blocks:
-            self.cache.record_query(seq.num_tokens, len(hits) * self.block_size)
-        for block, name in hits:
-            seq.block_table.append(self.gpu.fork(block))
-            seq.block_hashes.append(name)
-            self.cache.touch(block)
+            self.cache.record_query(seq.num_tokens, hits, self.block_size)
+        for hit in hits:
+            if hit.on_host:  # tiered cache: copy the block back instead of recomputing it
+                block = self._take_block()
+                out.swap_in.append((hit.block_id, block))
+                self.cache.promote(hit, block)
+            else:
+                block = self.gpu.fork(hit.block_id)
+                self.cache.touch(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(hit.name)
         seq.num_computed_tokens = computed
-        self._allocate(seq, needed)
+        self._allocate(seq, needed - from_host)
         self._move(seq, SequenceStatus.RUNNING)
         out.scheduled.append((seq, num_new))
         return True
 
-    def _prefix_hits(self, seq: Sequence) -> list[tuple[int, int]]:
+    def _prefix_hits(self, seq: Sequence) -> list[PrefixHit]:
         """Cached blocks for a sequence that holds none yet; the last token is always computed."""
         if self.cache is None or seq.block_table.blocks:
             return []
@@ -317,6 +330,8 @@ class Scheduler:
         context = PreemptionContext(num_blocks=distinct, num_tokens=tokens, block_bytes=self.block_bytes,
                                     host_free_blocks=self.cpu.num_free)
         mode = self.policy.choose_mode(victim, context)
+        while mode == "swap" and self.cpu.num_free < distinct and self.cache is not None and self.cache.evict_host_one():
+            pass  # a preempted sequence's blocks outrank cached prefixes on the host
         if mode == "swap" and self.cpu.num_free < distinct:
             mode = "recompute"
             self.metrics.num_swap_fallbacks += 1

@@ -111,6 +111,33 @@ def test_random_shared_prefix_workloads(data, folder):
                          prompts, params)
     config = EngineConfig(block_size=block_size, num_gpu_blocks=data.draw(st.integers(48 // block_size, 200)),
                           num_cpu_blocks=64, enable_prefix_caching=True, watermark=0.0,
+                          host_prefix_cache=data.draw(st.booleans()),
                           preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])),
                           partial_preemption=data.draw(st.booleans()))
     assert run_steps(LLM(folder, config, verbose=False), prompts, params) == expected
+
+
+def test_host_tier_brings_an_evicted_prefix_back(folder):
+    """Tiered caching: a returning conversation copies its prefix back from the host pool."""
+    conversation = [(7 * i) % 90 + 3 for i in range(48)]  # 12 full blocks of 4
+    others = [[(5 * i + j) % 90 + 3 for i in range(40)] for j in range(3)]
+    returning = conversation + [1, 2, 3]
+    params = SamplingParams(max_tokens=4)
+
+    def serve(**extra):
+        config = EngineConfig(block_size=4, num_gpu_blocks=20, watermark=0.0, max_num_seqs=1, **extra)
+        llm = LLM(folder, config, verbose=False)
+        tokens = run_steps(llm, [conversation, *others, returning], [params] * 5)
+        return tokens, llm.metrics
+
+    plain, _ = serve()
+    device_only, m_device = serve(enable_prefix_caching=True)
+    tiered, m_tiered = serve(enable_prefix_caching=True, host_prefix_cache=True, num_cpu_blocks=64)
+    assert device_only == plain and tiered == plain
+    assert m_device.prefix_cache_hit_tokens == 0  # the 20-block pool forgot the conversation
+    assert m_tiered.prefix_cache_host_hit_tokens == 48 and m_tiered.prefix_cache_hit_tokens == 48
+
+
+def test_host_tier_needs_prefix_caching_and_a_host_pool():
+    with pytest.raises(ValueError, match="needs enable_prefix_caching=True and num_cpu_blocks > 0"):
+        EngineConfig(host_prefix_cache=True, enable_prefix_caching=True)
