@@ -54,6 +54,9 @@ def run_demo(options: DemoOptions = DemoOptions()) -> dict:
             continue
         print(f"{out.request_id:>8} {len(out.prompt_token_ids):>7} {len(out.token_ids):>7} {r.ttft * 1e3:>8.1f} "
               f"{r.e2e_latency * 1e3:>8.1f} {r.num_preemptions:>9} {r.max_inter_token_latency * 1e3:>10.1f}")
+    print("\nsample completions")
+    for out in [o for o in outs if not o.rejected][:3]:
+        print(f"  {out.request_id}: ...{out.text[:90]!r}")
     summary = m.summary()
     print(f"\n{summary['num_generated_tokens']} tokens in {elapsed:.2f} s "
           f"({summary['num_generated_tokens'] / elapsed:.0f} tokens/s), {summary['num_steps']} steps, "

@@ -1,11 +1,9 @@
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("KVLIB_HOME", str(Path(__file__).resolve().parents[1] / ".kvlib-home"))
 
 from checkpoints import write_checkpoint  # noqa: E402
 

@@ -60,3 +60,14 @@ def test_chunked_prefill_matches(checkpoint, references):
     llm = LLM(checkpoint("qwen2-bias-tied"),
               EngineConfig(block_size=4, num_gpu_blocks=512, max_num_batched_tokens=8), verbose=False)
     assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))] == expected
+
+
+def test_default_model_matches_transformers():
+    """The shipped default model is a real checkpoint: transformers reads it and agrees token for token."""
+    from kvlib.model.default import default_model_path
+    llm = LLM("default", EngineConfig(block_size=16, num_gpu_blocks=64), verbose=False)
+    prompts = ["The with statement", "A dictionary is a mapping"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(default_model_path(), llm.tokenizer.encode(prompt), 24)
+        assert out.text == llm.tokenizer.decode(out.token_ids) and out.text.strip()
