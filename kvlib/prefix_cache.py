@@ -42,7 +42,7 @@ class PrefixCache:
         self._block_hash: dict[int, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # device block ids, least recently used first
         self._host: OrderedDict[int, CachedBlock] = OrderedDict()  # name -> host block, least recently used first
-        self._pinned: set[int] = set()  # host blocks written this step: one copy each per step
+        self._pinned: set[int] = set()  # host blocks written or read back this step: not to be reused
         self.demotions: list[tuple[int, int]] = []  # (device, host) copies owed by this step
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -68,6 +68,20 @@ class PrefixCache:
 
     def start_step(self) -> None:
         self._pinned.clear()
+
+    def pin(self, host_blocks: list[int]) -> None:
+        """Keep these host blocks for the rest of the step (a request is about to copy them back)."""
+        self._pinned.update(host_blocks)
+
+    def release_order(self, blocks: list[int]) -> None:
+        """A sequence let go of ``blocks`` (in table order): make its tail the first to be evicted.
+
+        A prefix is only useful from its first block on, so losing the head first would waste
+        every block behind it.
+        """
+        for block in reversed(blocks):
+            if block in self._lru:
+                self._lru.move_to_end(block)
 
     def match(self, token_ids: list[int], block_size: int) -> list[PrefixHit]:
         """The cached leading full blocks of ``token_ids``: on the device, then on the host tier."""
@@ -135,7 +149,7 @@ class PrefixCache:
         self._host[name] = CachedBlock(host_block, entry.tokens)
 
     def evict_host_one(self) -> bool:
-        """Free the least recently used host-tier block not written earlier in this step."""
+        """Free the least recently used host-tier block not written or read back in this step."""
         for name, entry in self._host.items():
             if entry.block_id not in self._pinned:
                 del self._host[name]

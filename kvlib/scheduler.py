@@ -238,6 +238,7 @@ class Scheduler:
             return False
         if self.cache is not None and not seq.block_table.blocks:
             self.cache.record_query(seq.num_tokens, hits, self.block_size)
+            self.cache.pin([h.block_id for h in hits if h.on_host])  # taking device blocks may evict to the host
         for hit in hits:
             if hit.on_host:  # tiered cache: copy the block back instead of recomputing it
                 block = self._take_block()
@@ -302,8 +303,11 @@ class Scheduler:
 
     def _release_device(self, seq: Sequence, count: int) -> None:
         """Drop ``seq``'s reference to its last ``count`` blocks (shared ones live on for the others)."""
-        for block in seq.block_table.pop_tail(count):
+        released = seq.block_table.pop_tail(count)
+        for block in released:
             self.gpu.free(block)
+        if self.cache is not None:
+            self.cache.release_order(released)
         kept = len(seq.block_table) * self.block_size
         seq.num_computed_tokens = min(seq.num_computed_tokens, kept + len(seq.host_blocks) * self.block_size)
         del seq.block_hashes[len(seq.block_table):]

@@ -141,3 +141,26 @@ def test_host_tier_brings_an_evicted_prefix_back(folder):
 def test_host_tier_needs_prefix_caching_and_a_host_pool():
     with pytest.raises(ValueError, match="needs enable_prefix_caching=True and num_cpu_blocks > 0"):
         EngineConfig(host_prefix_cache=True, enable_prefix_caching=True)
+
+
+def test_host_tier_hit_survives_evictions_during_its_own_admission(folder):
+    """Copying a hit back takes device blocks, whose eviction fills the host tier: the hit must stay."""
+    rng = random.Random(0)
+    conversation = [rng.randrange(3, 90) for _ in range(32)]
+    config = EngineConfig(block_size=4, num_gpu_blocks=12, watermark=0.0, max_num_seqs=1, enable_prefix_caching=True,
+                          host_prefix_cache=True, num_cpu_blocks=8)
+    llm = LLM(folder, config, verbose=False)
+    prompts = [conversation, [rng.randrange(3, 90) for _ in range(40)], conversation + [5, 6, 7, 8, 9, 10, 11, 12]]
+    expected = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=64), verbose=False).generate(
+        prompts, SamplingParams(max_tokens=1))
+    assert run_steps(llm, prompts, [SamplingParams(max_tokens=1)] * 3) == [[o.token_ids] for o in expected]
+    assert llm.metrics.prefix_cache_host_hit_tokens > 0
+
+
+def test_a_finished_prefix_is_evicted_tail_first(folder):
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16, enable_prefix_caching=True, watermark=0.0),
+              verbose=False)
+    prefix = list(range(3, 35))  # 8 full blocks
+    llm.generate([prefix + [1]], SamplingParams(max_tokens=1))
+    llm.generate([list(range(40, 76)) + [1]], SamplingParams(max_tokens=1))  # 10 blocks: 8 free, 2 evicted
+    assert len(llm.engine.scheduler.cache.match(prefix, 4)) == 6  # the head survives, the tail went first
