@@ -139,7 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--model", default="default", help="a Hugging Face model folder, or default")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--scale", type=float, default=0.25, help="multiply the length mix by this")
-    parser.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
+    parser.add_argument("--rate", type=float, default=200.0, help="arrivals per second (the default saturates both engines)")
     parser.add_argument("--budget", type=int, default=4096, help="KV memory budget in token slots")
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args(argv)
