@@ -249,12 +249,13 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _request_output(self, request_id: str) -> RequestOutput:
+        """Tokens so far; the text is decoded once, when the request finishes (decoding every step is quadratic)."""
         seqs = self._requests[request_id]
-        decode = self.tokenizer.decode if self.tokenizer else None
+        finished = len(seqs) == seqs[0].params.n and all(s.is_finished for s in seqs)
+        decode = self.tokenizer.decode if self.tokenizer and finished else None
         samples = [SampleOutput(list(s.output_token_ids), decode(s.output_token_ids) if decode else None, s.finish_reason)
                    for s in seqs]
-        return RequestOutput(request_id, list(seqs[0].prompt_token_ids), samples,
-                             finished=len(seqs) == seqs[0].params.n and all(s.is_finished for s in seqs))
+        return RequestOutput(request_id, list(seqs[0].prompt_token_ids), samples, finished=finished)
 
     def _record_step(self, plan: SchedulerOutput, start: float) -> None:
         self._step += 1
