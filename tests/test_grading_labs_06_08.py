@@ -1,0 +1,225 @@
+"""Labs 06-08 (victim selection, the auto policy, the oversubscription detector) grade as intended.
+
+Buggy pieces are graded in this process, each losing exactly the checks that cover its bug; the
+deliberately bad ones prove that the engine checks can fail. Three notebooks are graded the way
+``kvlib grade`` does: lab 06's solution, lab 07 untouched, and lab 08's solution with one bug.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvlib.grading import grade_notebook, lab06, lab07, lab08
+from kvlib.grading.record import FAIL
+from kvlib.labs import remove_hidden_tests
+from kvlib.oversubscription import OversubscriptionDetector
+from kvlib.preemption import LatestArrivalPolicy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _failed(*results) -> list[str]:
+    failed = [c for result in results for c in result.failed]
+    assert all(c.status == FAIL and c.hint for c in failed)
+    return [c.name for c in failed]
+
+
+# ---- lab 06: select_victim ---------------------------------------------------------------------
+class FirstCovering(LatestArrivalPolicy):
+    def select_victim(self, candidates, shortfall):  # the oldest of the equals, not the newest
+        requester = next(c for c in candidates if c.running)
+        givers = [c for c in candidates if c is not requester and c.num_unique_tail_blocks > 0]
+        covering = [c for c in givers if c.num_unique_tail_blocks >= shortfall]
+        return (covering or givers or [requester])[0]
+
+
+class IgnoresCoverage(LatestArrivalPolicy):
+    def select_victim(self, candidates, shortfall):
+        requester = next(c for c in candidates if c.running)
+        givers = [c for c in candidates if c is not requester and c.num_unique_tail_blocks > 0]
+        return (givers or [requester])[-1]
+
+
+class CountsSharedBlocks(LatestArrivalPolicy):
+    def select_victim(self, candidates, shortfall):  # num_blocks includes blocks that free nothing
+        requester = next(c for c in candidates if c.running)
+        givers = [c for c in candidates if c is not requester and c.num_blocks > 0]
+        covering = [c for c in givers if c.num_blocks >= shortfall]
+        return (covering or givers or [requester])[-1]
+
+
+class OldestIsRequester(LatestArrivalPolicy):
+    def select_victim(self, candidates, shortfall):  # an older paused holder is not the requester
+        requester = candidates[0]
+        givers = [c for c in candidates if c is not requester and c.num_unique_tail_blocks > 0]
+        covering = [c for c in givers if c.num_unique_tail_blocks >= shortfall]
+        return (covering or givers or [requester])[-1]
+
+
+class AlwaysRequester(LatestArrivalPolicy):
+    def select_victim(self, candidates, shortfall):
+        return next(c for c in candidates if c.running)
+
+
+def test_the_reference_policy_gets_full_marks():
+    assert lab06.check_select_victim(lab06.ReferencePolicy).full_marks
+    assert lab06.check_engine(lab06.ReferencePolicy).full_marks
+
+
+@pytest.mark.parametrize("policy, failed", [
+    (LatestArrivalPolicy, ["prefers_covering_tail", "never_all_shared", "requester_last_resort",
+                           "no_more_work_than_reference"]),
+    (FirstCovering, ["newest_among_equals", "no_more_work_than_reference"]),
+    (IgnoresCoverage, ["prefers_covering_tail"]),
+    (CountsSharedBlocks, ["never_all_shared", "requester_last_resort"]),
+    (OldestIsRequester, ["requester_last_resort"]),
+    (AlwaysRequester, ["prefers_covering_tail", "newest_among_equals", "never_all_shared", "requester_last_resort",
+                       "no_more_work_than_reference"]),
+])
+def test_lab06_a_bug_costs_exactly_its_checks(policy, failed):
+    assert _failed(lab06.check_select_victim(policy), lab06.check_engine(policy)) == failed
+
+
+# ---- lab 07: choose_mode -----------------------------------------------------------------------
+class Auto(LatestArrivalPolicy):
+    def __init__(self, cost_model):
+        super().__init__("auto", cost_model)
+
+    def swap_seconds(self, context):
+        return 2 * context.num_blocks * context.block_bytes / self.cost_model.host_link_bytes_per_s
+
+    def recompute_seconds(self, context):
+        return context.num_tokens / self.cost_model.prefill_tokens_per_s
+
+    def choose_mode(self, victim, context):
+        if context.host_free_blocks < context.num_blocks:
+            return "recompute"
+        return "swap" if self.swap_seconds(context) < self.recompute_seconds(context) else "recompute"
+
+
+class OneWayTrip(Auto):
+    def swap_seconds(self, context):
+        return context.num_blocks * context.block_bytes / self.cost_model.host_link_bytes_per_s
+
+
+class TieSwaps(Auto):
+    def choose_mode(self, victim, context):
+        if context.host_free_blocks < context.num_blocks:
+            return "recompute"
+        return "swap" if self.swap_seconds(context) <= self.recompute_seconds(context) else "recompute"
+
+
+class LeavesHostRoomToTheEngine(Auto):  # what kvlib's own auto policy does
+    def choose_mode(self, victim, context):
+        return "swap" if self.swap_seconds(context) < self.recompute_seconds(context) else "recompute"
+
+
+class Inverted(Auto):
+    def choose_mode(self, victim, context):
+        return "recompute" if super().choose_mode(victim, context) == "swap" else "swap"
+
+
+def test_a_correct_auto_policy_gets_full_marks():
+    assert lab07.check_choose_mode(Auto).full_marks
+    assert lab07.check_engine(Auto).full_marks
+
+
+@pytest.mark.parametrize("policy, failed", [
+    (OneWayTrip, ["swap_seconds", "cheaper_wins"]),
+    (TieSwaps, ["cheaper_wins"]),
+    (LeavesHostRoomToTheEngine, ["host_room", "small_host_pool"]),
+    (Inverted, ["cheaper_wins", "host_room", "fast_link_swaps", "slow_link_recomputes", "small_host_pool"]),
+])
+def test_lab07_a_bug_costs_exactly_its_checks(policy, failed):
+    assert _failed(lab07.check_choose_mode(policy), lab07.check_engine(policy)) == failed
+
+
+# ---- lab 08: the detector ----------------------------------------------------------------------
+class WarnsEveryTime(OversubscriptionDetector):
+    def observe(self, metrics):
+        self.warned = False
+        return super().observe(metrics)
+
+
+class CountsTotal(OversubscriptionDetector):
+    def observe(self, metrics):  # total preemptions, not per finished request
+        if self.warned or metrics.num_finished < self.min_finished or metrics.num_preemptions <= self.threshold:
+            return None
+        self.warned = True
+        return "oversubscribed: raise num_gpu_blocks or lower max_num_seqs"
+
+
+class NoMinimum(OversubscriptionDetector):
+    def observe(self, metrics):  # judges from the first finished request
+        if self.warned or metrics.num_finished == 0 or metrics.num_preemptions / metrics.num_finished <= self.threshold:
+            return None
+        self.warned = True
+        return "oversubscribed: raise num_gpu_blocks or lower max_num_seqs"
+
+
+class AtThreshold(OversubscriptionDetector):
+    def observe(self, metrics):
+        if self.warned or metrics.num_finished < self.min_finished:
+            return None
+        if metrics.num_preemptions / metrics.num_finished < self.threshold:
+            return None
+        self.warned = True
+        return "oversubscribed: raise num_gpu_blocks or lower max_num_seqs"
+
+
+class OneRemedy(OversubscriptionDetector):
+    def observe(self, metrics):
+        return super().observe(metrics) and "oversubscribed: raise num_gpu_blocks"
+
+
+def test_the_engine_detector_gets_full_marks():
+    assert lab08.check_detector(OversubscriptionDetector).full_marks
+    assert lab08.check_engine(OversubscriptionDetector).full_marks
+
+
+@pytest.mark.parametrize("detector, failed", [
+    (WarnsEveryTime, ["warns_once", "warns_once_when_oversubscribed"]),
+    (CountsTotal, ["rate_above_threshold"]),
+    (NoMinimum, ["quiet_until_min_finished"]),
+    (AtThreshold, ["rate_above_threshold"]),
+    (OneRemedy, ["names_both_remedies"]),
+])
+def test_lab08_a_bug_costs_exactly_its_checks(detector, failed):
+    assert _failed(lab08.check_detector(detector), lab08.check_engine(detector)) == failed
+
+
+# ---- whole notebooks, as `kvlib grade` runs them -----------------------------------------------
+def _with_bug(tmp_path: Path, solution: Path, old: str, new: str) -> Path:
+    """A learner's copy of ``solution``: hidden tests removed, ``old`` (present once) replaced by ``new``."""
+    nb = nbformat.read(solution, as_version=4)
+    for cell in nb.cells:
+        cell.source = remove_hidden_tests(cell.source)
+    [cell] = [c for c in nb.cells if old in c.source]
+    assert cell.source.count(old) == 1
+    cell.source = cell.source.replace(old, new)
+    nbformat.write(nb, tmp_path / solution.name)
+    return tmp_path / solution.name
+
+
+def test_lab06_solution_gets_full_marks():
+    report = grade_notebook(ROOT / "solutions" / "lab06_victim_selection.ipynb")
+    assert report.full_marks, report.table()
+    assert [(t.task, t.points) for t in report.tasks] == [("select_victim", 6), ("engine", 4)]
+    assert report.errors == []
+
+
+def test_lab07_untouched_gets_zero_and_says_not_implemented():
+    report = grade_notebook(ROOT / "labs" / "lab07_auto_policy.ipynb")
+    assert (report.points, report.max_points) == (0, 10)
+    assert report.errors == [], "a lab must run to the end with its stubs"
+    for task in ("choose_mode", "engine"):
+        assert report.task(task).failed_summary().startswith("not implemented: MyAutoPolicy."), report.table()
+
+
+def test_lab08_warning_every_step_loses_the_once_checks(tmp_path):
+    solution = ROOT / "solutions" / "lab08_oversubscription.ipynb"
+    report = grade_notebook(_with_bug(tmp_path, solution, "        self.warned = True\n", ""))
+    assert report.failed_checks() == {"detector/warns_once", "engine/warns_once_when_oversubscribed"}, report.table()
+    assert (report.points, report.max_points) == (5, 8) and report.errors == []
