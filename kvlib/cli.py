@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 from dataclasses import fields
@@ -17,7 +18,6 @@ def _demo(args) -> int:
 
 def _bench(args) -> int:
     """Each benchmark is a module ``kvlib.bench.NAME`` whose ``main(argv)`` prints its tables."""
-    import importlib
     names = [n for n in BENCHES if importlib.util.find_spec(f"kvlib.bench.{n}")] if args.name == "all" else [args.name]
     status = 0
     for name in names:

@@ -23,7 +23,7 @@ from kvlib.oversubscription import OversubscriptionDetector
 from kvlib.preemption import LatestArrivalPolicy
 from kvlib.sampler import sample
 from kvlib.scheduler import Scheduler, SchedulerOutput
-from kvlib.sequence import Sequence, SequenceStatus
+from kvlib.sequence import Sequence
 from kvlib.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvlib")

@@ -12,8 +12,9 @@ from collections import Counter
 from functools import cache
 
 from kvlib.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
-from kvlib.grading.checks import CheckFailed, Task, expect, expect_raises
+from kvlib.grading.checks import Task, expect, expect_raises
 from kvlib.grading.record import TaskResult
+from kvlib.grading.serving import serve_checked
 
 allocator = Task("allocator")
 block_table = Task("block_table")
@@ -241,7 +242,6 @@ def _reference_tokens() -> tuple:
 def _serve(make_allocator) -> tuple[list[list[int]], list]:
     """Serve :data:`PROMPTS` step by step, checking block bookkeeping after every step."""
     from kvlib import LLM, EngineConfig, SamplingParams
-    from kvlib.invariants import InvariantError, check_invariants
 
     pools = []
 
@@ -250,20 +250,7 @@ def _serve(make_allocator) -> tuple[list[list[int]], list]:
         return pools[-1]
 
     llm = LLM("default", EngineConfig(**ENGINE_CONFIG), allocator=tracked, verbose=False)
-    for i, prompt in enumerate(PROMPTS):
-        llm.engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS))
-    finished = {}
-    for step in range(MAX_STEPS):
-        if not llm.engine.has_unfinished_requests():
-            break
-        finished.update((out.request_id, out) for out in llm.engine.step() if out.finished)
-        try:
-            check_invariants(llm.engine)
-        except InvariantError as exc:
-            raise CheckFailed(f"after engine step {step + 1}: {exc}") from exc
-    else:
-        raise CheckFailed(f"requests were still unfinished after {MAX_STEPS} engine steps")
-    outputs = [finished[f"r{i}"] for i in range(len(PROMPTS))]
+    outputs = serve_checked(llm, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), MAX_STEPS)
     rejected = [f"request {i}: {out.error}" for i, out in enumerate(outputs) if out.error]
     expect(not rejected, f"the engine rejected requests: {'; '.join(rejected)}")
     return [out.token_ids for out in outputs], pools

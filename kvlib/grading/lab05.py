@@ -15,8 +15,9 @@ from functools import cache
 from typing import Callable
 
 from kvlib.block_allocator import BlockAllocator
-from kvlib.grading.checks import CheckFailed, Task, expect
+from kvlib.grading.checks import Task, expect
 from kvlib.grading.record import TaskResult
+from kvlib.grading.serving import serve_checked
 
 fork = Task("fork")
 copy_on_write = Task("copy_on_write")
@@ -247,20 +248,7 @@ def _seeded_reference(prompts: tuple, max_tokens: int, block_size: int) -> tuple
 def _serve(config: dict, prompts: list[list[int]], params, sharing) -> tuple:
     """Serve ``prompts`` step by step with ``sharing`` plugged in, checking block bookkeeping after every step."""
     from kvlib import LLM, EngineConfig
-    from kvlib.invariants import InvariantError, check_invariants
 
     llm = LLM("default", EngineConfig(device="cpu", **config), block_sharing=sharing, verbose=False)
-    for i, prompt in enumerate(prompts):
-        llm.engine.add_request(f"r{i}", prompt, params)
-    finished = {}
-    for step in range(MAX_STEPS):
-        if not llm.engine.has_unfinished_requests():
-            break
-        finished.update((out.request_id, out) for out in llm.engine.step() if out.finished)
-        try:
-            check_invariants(llm.engine)
-        except InvariantError as exc:
-            raise CheckFailed(f"after engine step {step + 1}: {exc}") from exc
-    else:
-        raise CheckFailed(f"requests were still unfinished after {MAX_STEPS} engine steps")
-    return llm, [[s.token_ids for s in finished[f"r{i}"].samples] for i in range(len(prompts))]
+    outputs = serve_checked(llm, prompts, params, MAX_STEPS)
+    return llm, [[s.token_ids for s in out.samples] for out in outputs]

@@ -13,8 +13,9 @@ from __future__ import annotations
 from functools import cache
 
 from kvlib.config import SamplingParams
-from kvlib.grading.checks import CheckFailed, Task, expect
+from kvlib.grading.checks import Task, expect
 from kvlib.grading.record import TaskResult
+from kvlib.grading.serving import serve_checked
 from kvlib.preemption import LatestArrivalPolicy, VictimCandidate
 from kvlib.sequence import Sequence
 
@@ -150,23 +151,10 @@ def _unpressured_tokens() -> tuple:
 def _serve(policy_cls) -> tuple[list, dict]:
     """Serve the workload step by step with ``policy_cls("swap")``, checking block bookkeeping after every step."""
     from kvlib import LLM, EngineConfig
-    from kvlib.invariants import InvariantError, check_invariants
 
     llm = LLM("default", EngineConfig(device="cpu", **ENGINE_CONFIG), preemption_policy=policy_cls("swap"),
               verbose=False)
-    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
-        llm.engine.add_request(f"r{i}", prompt, params)
-    finished = {}
-    for step in range(MAX_STEPS):
-        if not llm.engine.has_unfinished_requests():
-            break
-        finished.update((out.request_id, out) for out in llm.engine.step() if out.finished)
-        try:
-            check_invariants(llm.engine)
-        except InvariantError as exc:
-            raise CheckFailed(f"after engine step {step + 1}: {exc}") from exc
-    else:
-        raise CheckFailed(f"requests were still unfinished after {MAX_STEPS} engine steps")
+    outputs = serve_checked(llm, PROMPTS, PARAMS, MAX_STEPS)
     m = llm.metrics
-    return ([[s.token_ids for s in finished[f"r{i}"].samples] for i in range(len(PROMPTS))],
+    return ([[s.token_ids for s in out.samples] for out in outputs],
             dict(preemptions=m.num_preemptions, swapped=m.num_swapped_out_blocks, recomputed=m.num_recomputed_tokens))

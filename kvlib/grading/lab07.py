@@ -14,8 +14,9 @@ import math
 from functools import cache
 
 from kvlib.config import SamplingParams
-from kvlib.grading.checks import CheckFailed, Task, expect
+from kvlib.grading.checks import Task, expect
 from kvlib.grading.record import TaskResult
+from kvlib.grading.serving import serve_checked
 from kvlib.preemption import PreemptionContext, PreemptionCostModel
 from kvlib.sequence import Sequence
 
@@ -145,26 +146,12 @@ def _unpressured_tokens() -> tuple:
 def _serve(policy_cls, cost: PreemptionCostModel, num_cpu_blocks: int):
     """Serve the prompts step by step with ``policy_cls(cost)``; check bookkeeping and tokens; return the metrics."""
     from kvlib import LLM, EngineConfig
-    from kvlib.invariants import InvariantError, check_invariants
 
     config = EngineConfig(device="cpu", num_cpu_blocks=num_cpu_blocks, **ENGINE_CONFIG)
     llm = LLM("default", config, preemption_policy=policy_cls(cost), verbose=False)
-    for i, prompt in enumerate(PROMPTS):
-        llm.engine.add_request(f"r{i}", prompt, PARAMS)
-    finished = {}
-    for step in range(MAX_STEPS):
-        if not llm.engine.has_unfinished_requests():
-            break
-        finished.update((out.request_id, out.token_ids) for out in llm.engine.step() if out.finished)
-        try:
-            check_invariants(llm.engine)
-        except InvariantError as exc:
-            raise CheckFailed(f"after engine step {step + 1}: {exc}") from exc
-    else:
-        raise CheckFailed(f"requests were still unfinished after {MAX_STEPS} engine steps")
-    for i, expected in enumerate(_unpressured_tokens()):
-        expect(finished[f"r{i}"] == expected, f"request {i} generated {finished[f'r{i}']} but {expected} in a pool "
-                                              f"with room")
+    outputs = serve_checked(llm, PROMPTS, PARAMS, MAX_STEPS)
+    for i, (out, expected) in enumerate(zip(outputs, _unpressured_tokens())):
+        expect(out.token_ids == expected, f"request {i} generated {out.token_ids} but {expected} in a pool with room")
     m = llm.metrics
     expect(m.num_preemptions > 0, "the workload was meant to preempt but did not")
     print(f"link {cost.host_link_bytes_per_s:g} bytes/s, prefill {cost.prefill_tokens_per_s:g} tokens/s, host pool "

@@ -1,0 +1,29 @@
+"""The engine half of a graded check: serve requests step by step, checking bookkeeping after each step."""
+from __future__ import annotations
+
+from kvlib.grading.checks import CheckFailed
+
+
+def serve_checked(llm, prompts: list, params, max_steps: int) -> list:
+    """Serve ``prompts`` (one SamplingParams for all, or one each) and return their outputs in order.
+
+    Fails the check, naming the step, as soon as a block invariant breaks, and if requests are
+    still unfinished after ``max_steps`` steps (a learner's bug can stall the engine).
+    """
+    from kvlib.invariants import InvariantError, check_invariants
+
+    per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+        llm.engine.add_request(f"r{i}", prompt, p)
+    finished = {}
+    for step in range(max_steps):
+        if not llm.engine.has_unfinished_requests():
+            break
+        finished.update((out.request_id, out) for out in llm.engine.step() if out.finished)
+        try:
+            check_invariants(llm.engine)
+        except InvariantError as exc:
+            raise CheckFailed(f"after engine step {step + 1}: {exc}") from exc
+    else:
+        raise CheckFailed(f"requests were still unfinished after {max_steps} engine steps")
+    return [finished[f"r{i}"] for i in range(len(prompts))]
