@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.invariants import check_invariants
+from kvlib.grading.serving import serve_checked
 from kvlib.preemption import LatestArrivalPolicy, PreemptionCostModel
 
 MODES = [("recompute", False), ("swap", False), ("recompute", True), ("swap", True)]
@@ -15,15 +15,7 @@ MODES = [("recompute", False), ("swap", False), ("recompute", True), ("swap", Tr
 
 def run_steps(llm, prompts, params):
     """Drive the step-level API, checking invariants after every step; return tokens by request."""
-    engine, results = llm.engine, {}
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", prompt, p)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.token_ids
-        check_invariants(engine)
-    return [results[f"r{i}"] for i in range(len(prompts))]
+    return [out.token_ids for out in serve_checked(llm, prompts, params, max_steps=100_000)]
 
 
 @pytest.fixture(scope="module")

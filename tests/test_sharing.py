@@ -6,19 +6,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.invariants import check_invariants
+from kvlib.grading.serving import serve_checked
 
 
 def run_steps(llm, prompts, params):
-    engine, results = llm.engine, {}
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(f"r{i}", prompt, p)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = [s.token_ids for s in out.samples]
-        check_invariants(engine)
-    return [results[f"r{i}"] for i in range(len(prompts))]
+    """Drive the step-level API, checking invariants after every step; return each sample's tokens."""
+    return [[s.token_ids for s in out.samples] for out in serve_checked(llm, prompts, params, max_steps=100_000)]
 
 
 @pytest.fixture(scope="module")
