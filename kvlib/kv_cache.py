@@ -53,17 +53,25 @@ class KVCachePool:
 
 
 def gather_blocks(pool: KVCachePool, ids: list[int]) -> torch.Tensor:
-    """Blocks ``ids`` of a pool, all layers, K and V, as one contiguous staging tensor (one call)."""
-    return pool.data.index_select(0, torch.tensor(ids, dtype=torch.long, device=pool.device))
+    """Blocks ``ids`` of a pool, all layers, K and V, as one contiguous staging tensor (one call).
+
+    Gathered from a pinned host pool, the staging tensor is pinned too, so its copy to the device
+    can run asynchronously.
+    """
+    staged = pool.data.index_select(0, torch.tensor(ids, dtype=torch.long, device=pool.device))
+    return staged.pin_memory() if pool.data.is_pinned() else staged
 
 
 def scatter_blocks(pool: KVCachePool, ids: list[int], staged: torch.Tensor) -> None:
     """Write staged blocks into blocks ``ids`` of a pool: one copy across devices, one scatter.
 
-    The cross-device copy is asynchronous when the host side is pinned.
+    Towards the device the copy is asynchronous (from pinned memory when the host pool is pinned)
+    and the scatter is queued behind it on the same stream. Towards the host the copy must have
+    landed before the CPU scatters it, so it is synchronous.
     """
     if staged.device != pool.device:
-        staged = staged.to(pool.device, non_blocking=pool.data.is_pinned() or staged.is_pinned())
+        to_device = pool.device.type != "cpu"
+        staged = staged.to(pool.device, non_blocking=to_device and staged.is_pinned())
     pool.data.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), staged)
 
 

@@ -9,10 +9,11 @@ from kvlib.metrics import EngineMetrics
 
 @dataclass
 class OversubscriptionDetector:
-    """Warn once when preemptions per finished request stay above ``threshold``.
+    """Warn once when preemptions per finished request exceed ``threshold``.
 
-    ``min_finished`` keeps one unlucky request at start-up from raising the alarm: the rate is
-    judged only once enough requests have finished for it to mean something.
+    The rate is the running total (all preemptions over all finished requests), judged only once
+    ``min_finished`` requests have finished, so one unlucky request at start-up does not raise
+    the alarm.
     """
 
     threshold: float = 1.0

@@ -10,14 +10,19 @@
   they need together, so the engine must preempt: recompute, swap or auto (the engine's
   measured cost model picks per victim), each whole-request and partial.
 - Latencies are per request from arrival: TTFT p50 and p99, and the worst stutter, the longest
-  gap between two consecutive tokens of any request.
+  gap between two consecutive tokens of any request. ``warned``: the engine's oversubscription
+  detector (``kvlib.oversubscription``) fired during the run. ``swap ms`` and ``recompute ms`` are
+  the engine's own accounting of time spent copying blocks and re-prefilling dropped tokens.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import time
 from typing import Optional
+
+import torch
 
 from kvlib.bench.report import format_table
 from kvlib.bench.workloads import sharegpt_like_lengths
@@ -29,7 +34,8 @@ MODES = [("recompute", False), ("swap", False), ("auto", False), ("recompute", T
 VOCAB = range(3, 259)  # the default model's byte tokens, past its three special tokens
 
 
-def oversubscribed_workload(num_requests: int, scale: int = 4, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+def oversubscribed_workload(num_requests: int, scale: int = 4,
+                            seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     """Prompts (token ids) and sampling params: ShareGPT-like lengths divided by ``scale``."""
     rng = random.Random(seed)
     prompts, params = [], []
@@ -62,7 +68,9 @@ def result_row(label: str, partial: Optional[bool], llm: LLM, seconds: float, id
         "preemptions": s["num_preemptions"], "by swap": s["num_preemptions_swap"],
         "by recompute": s["num_preemptions_recompute"], "swap fallbacks": s["num_swap_fallbacks"],
         "swapped-out blocks": s["num_swapped_out_blocks"], "recomputed tokens": s["num_recomputed_tokens"],
-        "preemptions/request": s["preemptions_per_finished_request"], "outputs identical": identical,
+        "swap ms": 1e3 * s["swap_time"], "recompute ms": 1e3 * s["recompute_time"],
+        "preemptions/request": s["preemptions_per_finished_request"],
+        "warned": llm.engine.oversubscription.warned, "outputs identical": identical,
     }
 
 
@@ -91,14 +99,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--num-cpu-blocks", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (0: torch's default); the default model gains little from more, "
+                             "and one thread keeps it steady on a machine shared with other jobs")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     prompts, params = oversubscribed_workload(args.num_requests, args.scale, args.seed)
     need = blocks_needed(prompts, params, args.block_size)
-    rows = run_preemption_bench(args.num_requests, args.scale, args.num_gpu_blocks, args.num_cpu_blocks,
-                                args.block_size, args.seed)
+    logger, level = logging.getLogger("kvlib"), logging.getLogger("kvlib").level
+    logger.setLevel(logging.ERROR)  # the "warned" column reports the engine's warning instead
+    try:
+        rows = run_preemption_bench(args.num_requests, args.scale, args.num_gpu_blocks, args.num_cpu_blocks,
+                                    args.block_size, args.seed)
+    finally:
+        logger.setLevel(level)
     print(format_table(rows, f"Preemption: {args.num_requests} ShareGPT-like requests / {args.scale}, default model, "
                              f"{need} blocks of {args.block_size} needed at once, {args.num_gpu_blocks} device blocks, "
-                             f"{args.num_cpu_blocks} host blocks"))
+                             f"{args.num_cpu_blocks} host blocks, {torch.get_num_threads()} torch CPU thread(s)"))
     return 0
 
 
