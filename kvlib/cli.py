@@ -27,7 +27,13 @@ def _bench(args) -> int:
 
 
 def _grade(args) -> int:
+    from pathlib import Path
+
     from kvlib.grading import grade_notebook
+    if not Path(args.notebook).is_file():
+        print(f"kvlib grade: {args.notebook} is not a file; pass the path of a lab notebook, "
+              f"e.g. labs/lab02_allocator.ipynb", file=sys.stderr)
+        return 2
     report = grade_notebook(args.notebook)
     print(report.table())
     return 0 if report.full_marks else 1
