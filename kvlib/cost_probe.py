@@ -18,18 +18,20 @@ from kvlib.preemption import PreemptionCostModel
 PROBE_TOKENS = 256
 
 
+def time_once(fn, device: torch.device) -> float:
+    """Wall seconds of one call of ``fn``, the GPU waited for before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def _timed(fn, device: torch.device, repeats: int = 3) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(time_once(fn, device) for _ in range(repeats))
 
 
 def measure_host_link(gpu_pool: KVCachePool, num_blocks: int) -> float:

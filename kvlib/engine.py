@@ -11,6 +11,7 @@ import torch
 
 from kvlib.block_allocator import BlockAllocator
 from kvlib.config import EngineConfig, SamplingParams
+from kvlib.cost_probe import measure_cost_model
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, gather_blocks, scatter_blocks
 from kvlib.metrics import EngineMetrics, StepRecord
@@ -18,7 +19,6 @@ from kvlib.model.default import default_model_path
 from kvlib.model.loader import load_model
 from kvlib.model_runner import build_step_inputs
 from kvlib.outputs import RequestOutput, SampleOutput
-from kvlib.cost_probe import measure_cost_model
 from kvlib.oversubscription import OversubscriptionDetector
 from kvlib.preemption import LatestArrivalPolicy
 from kvlib.sampler import sample
@@ -180,7 +180,7 @@ class LLMEngine:
         for out in progressed:
             if out.finished:
                 seqs = self._requests.pop(out.request_id)
-                self.metrics.record_finished(seqs, out.request_id, seqs[0].arrival_time)
+                self.metrics.record_finished(out.request_id, seqs)
         warning = self.oversubscription.observe(self.metrics)
         if warning:
             logger.warning(warning)

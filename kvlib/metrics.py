@@ -66,7 +66,8 @@ class EngineMetrics:
         fresh = EngineMetrics()
         self.__dict__.update(fresh.__dict__)
 
-    def record_finished(self, seqs: list[Sequence], request_id: str, arrival_time: float) -> None:
+    def record_finished(self, request_id: str, seqs: list[Sequence]) -> None:
+        arrival_time = seqs[0].arrival_time
         finish = max(s.finish_time for s in seqs)
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         self.requests[request_id] = RequestMetrics(

@@ -164,7 +164,7 @@ class Scheduler:
         if out.num_preemptions == 0:
             self._resume(out, budget)
         if not out.scheduled and self.has_unfinished():
-            self._release_holders(out)  # everyone waits on blocks held by preempted sequences
+            self._release_holders()  # everyone waits on blocks held by preempted sequences
             self._resume(out, budget)
         if self.cache is not None:  # evicted prefix blocks on their way to the host tier
             out.swap_out.extend(self.cache.demotions)
@@ -344,7 +344,10 @@ class Scheduler:
                 seq.num_preemptions += 1
                 out.num_preemptions += 1
                 self.metrics.num_preemptions += 1
-                setattr(self.metrics, f"num_preemptions_{mode}", getattr(self.metrics, f"num_preemptions_{mode}") + 1)
+                if mode == "swap":
+                    self.metrics.num_preemptions_swap += 1
+                else:
+                    self.metrics.num_preemptions_recompute += 1
         if mode == "swap":
             self._swap_out(group, take, out)
         else:
@@ -382,7 +385,7 @@ class Scheduler:
         self.metrics.num_recomputed_tokens += before - seq.num_computed_tokens
         self._move(seq, SequenceStatus.WAITING)
 
-    def _release_holders(self, out: SchedulerOutput) -> None:
+    def _release_holders(self) -> None:
         """Nothing can run: preempted sequences holding blocks give them all up, to be recomputed."""
         for seq in list(self.waiting + self.swapped):
             if seq.block_table.blocks or seq.host_blocks:

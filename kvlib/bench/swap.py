@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Callable, Optional
 
 import torch
 
 from kvlib.bench.memory import LLAMA3_8B_CONFIG
 from kvlib.bench.report import format_table
+from kvlib.cost_probe import time_once
 from kvlib.device import resolve_device, resolve_dtype
 from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
 from kvlib.model.config import ModelConfig
@@ -49,13 +49,7 @@ def paired_medians(first: Callable[[], None], second: Callable[[], None], device
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
         for fn, out in zip((first, second), times):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            out.append(time.perf_counter() - start)
+            out.append(time_once(fn, device))
     return statistics.median(times[0]), statistics.median(times[1])
 
 
