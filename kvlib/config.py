@@ -5,6 +5,8 @@ names the field, the value and what to use instead, rather than deep inside a st
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -12,11 +14,25 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+MAX_SEED = 2**64  # torch generators take 64-bit seeds
 
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def is_integer(value) -> bool:
+    """An integer of any kind (Python, numpy, torch scalar) but not a bool, which Python counts as one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _flag(name: str, value) -> None:
+    _require(isinstance(value, bool), f"{name} must be True or False, got {value!r}")
 
 
 @dataclass
@@ -38,22 +54,25 @@ class EngineConfig:
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9  # share of free device memory used when num_gpu_blocks is None
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
-    seed: int = 0
+    seed: int = 0  # seeds the samples of requests that give no seed of their own
+    metrics_history: Optional[int] = 10_000  # finished requests and steps the metrics keep; None: all
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.block_size, int) and self.block_size >= 1,
+        _require(is_integer(self.block_size) and self.block_size >= 1,
                  f"block_size must be a positive integer, got {self.block_size!r}; 16 is a good default")
-        _require(self.num_gpu_blocks is None or (isinstance(self.num_gpu_blocks, int) and self.num_gpu_blocks >= 1),
+        _require(self.num_gpu_blocks is None or (is_integer(self.num_gpu_blocks) and self.num_gpu_blocks >= 1),
                  f"num_gpu_blocks must be a positive integer or None (size from free memory), got {self.num_gpu_blocks!r}")
-        _require(isinstance(self.num_cpu_blocks, int) and self.num_cpu_blocks >= 0,
+        _require(is_integer(self.num_cpu_blocks) and self.num_cpu_blocks >= 0,
                  f"num_cpu_blocks must be an integer >= 0, got {self.num_cpu_blocks!r}")
         _require(self.preemption_mode in PREEMPTION_MODES,
                  f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        _require(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+        for name in ("partial_preemption", "enable_prefix_caching", "host_prefix_cache"):
+            _flag(name, getattr(self, name))
+        _require(is_integer(self.max_num_seqs) and self.max_num_seqs >= 1,
                  f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
-        _require(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+        _require(is_integer(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
-        _require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0,
+        _require(_is_number(self.watermark) and 0.0 <= self.watermark < 1.0,
                  f"watermark is a fraction of the device pool in [0, 1), got {self.watermark!r}; try 0.01")
         _require(not self.host_prefix_cache or (self.enable_prefix_caching and self.num_cpu_blocks > 0),
                  "host_prefix_cache keeps evicted prefix blocks in the host pool: it needs enable_prefix_caching=True "
@@ -62,10 +81,18 @@ class EngineConfig:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        _require(0.0 < self.gpu_memory_utilization <= 1.0,
+        _require(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        _require(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+        _require(self.max_model_len is None or (is_integer(self.max_model_len) and self.max_model_len >= 1),
                  f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
+        _require(is_integer(self.seed) and 0 <= self.seed < MAX_SEED,
+                 f"seed must be an integer from 0 to 2**64 - 1, got {self.seed!r}")
+        _require(self.metrics_history is None or (is_integer(self.metrics_history) and self.metrics_history >= 1),
+                 f"metrics_history must be a positive integer or None (keep everything), got {self.metrics_history!r}")
+        for name in ("block_size", "num_gpu_blocks", "num_cpu_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "seed", "metrics_history"):
+            if getattr(self, name) is not None:
+                setattr(self, name, int(getattr(self, name)))
 
 
 @dataclass
@@ -81,14 +108,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _require(is_integer(self.max_tokens) and self.max_tokens >= 1,
                  f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        _require(isinstance(self.temperature, (int, float)) and self.temperature >= 0.0,
-                 f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        _require(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
-                 f"top_p must be in (0, 1], got {self.top_p!r}")
-        _require(isinstance(self.n, int) and self.n >= 1, f"n must be a positive integer, got {self.n!r}")
-        _require(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
+        _require(_is_number(self.temperature) and self.temperature >= 0.0,
+                 f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+        _require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(is_integer(self.n) and self.n >= 1, f"n must be a positive integer, got {self.n!r}")
+        _require(self.seed is None or (is_integer(self.seed) and 0 <= self.seed < MAX_SEED),
+                 f"seed must be None or an integer from 0 to 2**64 - 1, got {self.seed!r}")
+        _require(isinstance(self.stop_token_ids, (list, tuple)) and all(is_integer(t) for t in self.stop_token_ids),
+                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}; "
+                 f"for one id write stop_token_ids=[id]")
+        _flag("ignore_eos", self.ignore_eos)
+        self.max_tokens, self.n = int(self.max_tokens), int(self.n)
+        self.seed = None if self.seed is None else int(self.seed)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
     @property
     def greedy(self) -> bool:

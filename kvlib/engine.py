@@ -1,34 +1,33 @@
-"""The engine: requests in, one scheduled model step at a time, finished requests out."""
+"""The engine: requests in, one scheduled model step at a time, finished requests out.
+
+``step()`` reads as the data path does: the scheduler plans (policy), the model runner carries
+out the block moves and runs the model, the scheduler records what came out, and the metrics
+record the step.
+"""
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from pathlib import Path
 from typing import Optional, Union
 
-import torch
-
 from kvlib.block_allocator import BlockAllocator
-from kvlib.config import EngineConfig, SamplingParams
-from kvlib.cost_probe import measure_cost_model
+from kvlib.block_manager import BlockManager, BlockMoves
+from kvlib.config import EngineConfig, SamplingParams, is_integer
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
-from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, gather_blocks, scatter_blocks
+from kvlib.interfaces import check_preemption_policy
 from kvlib.metrics import EngineMetrics, StepRecord
 from kvlib.model.default import default_model_path
 from kvlib.model.loader import load_model
-from kvlib.model_runner import build_step_inputs
+from kvlib.model_runner import ModelRunner
 from kvlib.outputs import RequestOutput, SampleOutput
 from kvlib.oversubscription import OversubscriptionDetector
 from kvlib.preemption import LatestArrivalPolicy
-from kvlib.sampler import sample
-from kvlib.scheduler import Scheduler, SchedulerOutput
-from kvlib.sequence import Sequence
+from kvlib.scheduler import Scheduler, SchedulerOutput, StepResult
+from kvlib.sequence import Sequence, sample_stream_seed
 from kvlib.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvlib")
-
-CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_blocks is None
 
 
 class LLMEngine:
@@ -39,48 +38,57 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         folder = default_model_path() if str(model) == "default" else Path(model)
-        self.model = load_model(folder, self.device, self.dtype)
-        self.model_config = self.model.config
+        model = load_model(folder, self.device, self.dtype)
+        self.model_config = model.config
         self.tokenizer = Tokenizer.from_folder(folder)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = self._max_model_len()
         if attention_backend is None:
             choice = choose_attention_backend(config.attention_backend, self.device)
             attention_backend = make_attention_backend(choice)
             if verbose:
                 print(choice.describe(self.device))
-        self.backend = attention_backend
-        self.spec = KVCacheSpec(self.model_config.num_layers, self.model_config.num_kv_heads,
-                                self.model_config.head_dim, config.block_size, self.dtype)
-        num_gpu_blocks = config.num_gpu_blocks or self._blocks_that_fit()
-        self.gpu_pool = KVCachePool(self.spec, num_gpu_blocks, self.device)
-        self.cpu_pool = KVCachePool(self.spec, config.num_cpu_blocks, "cpu", pin_memory=self.device.type == "cuda")
+        self.runner = ModelRunner(model, attention_backend, block_size=config.block_size,
+                                  num_gpu_blocks=config.num_gpu_blocks, num_cpu_blocks=config.num_cpu_blocks,
+                                  device=self.device, dtype=self.dtype,
+                                  gpu_memory_utilization=config.gpu_memory_utilization)
+        num_gpu_blocks = self.runner.gpu_pool.num_blocks
         make_allocator = allocator or BlockAllocator
-        self.metrics = EngineMetrics()
-        self.policy = preemption_policy or self._default_policy(verbose)
+        self.block_manager = BlockManager(
+            config.block_size, make_allocator(num_gpu_blocks), make_allocator(config.num_cpu_blocks),
+            watermark_blocks=int(config.watermark * num_gpu_blocks), enable_prefix_caching=config.enable_prefix_caching,
+            host_prefix_cache=config.host_prefix_cache, sharing=block_sharing)
+        self.policy = preemption_policy or LatestArrivalPolicy()
+        check_preemption_policy(self.policy, config.preemption_mode)
+        self.cost_model = self._cost_model(verbose) if config.preemption_mode == "auto" else None
+        self.metrics = EngineMetrics(history=config.metrics_history)
         self.oversubscription = oversubscription_detector or OversubscriptionDetector()
-        self.scheduler = Scheduler(config, make_allocator(num_gpu_blocks), make_allocator(config.num_cpu_blocks),
-                                   self.policy, self.metrics, self.spec.block_bytes, block_sharing)
-        self._requests: dict[str, list[Sequence]] = {}
-        self._rejected: list[RequestOutput] = []
-        self._seq_ids = itertools.count()
+        self.scheduler = Scheduler(config, self.block_manager, self.policy, self.metrics,
+                                   block_bytes=self.runner.spec.block_bytes,
+                                   eos_token_ids=frozenset(self.model_config.eos_token_ids),
+                                   max_model_len=self.max_model_len, cost_model=self.cost_model)
+        self._requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, sample 0 first
+        self._ready: list[RequestOutput] = []  # outputs the next step() hands out first (rejections)
+        self._num_requests = 0
         self._step = 0
+        if config.preemption_mode == "swap" and config.num_cpu_blocks == 0:
+            logger.warning("preemption_mode='swap' with num_cpu_blocks=0: there is no host pool to swap into, so "
+                           "every preemption will recompute; give num_cpu_blocks a size to swap")
 
-    def _default_policy(self, verbose: bool) -> LatestArrivalPolicy:
-        if self.config.preemption_mode != "auto":
-            return LatestArrivalPolicy(self.config.preemption_mode)
-        cost = measure_cost_model(self.model, self.gpu_pool, self.backend)
+    def _max_model_len(self) -> int:
+        positions = self.model_config.max_position_embeddings
+        wanted = self.config.max_model_len or positions
+        if wanted > positions:
+            raise ValueError(f"max_model_len={wanted} is beyond the model's {positions} positions "
+                             f"(max_position_embeddings); use at most {positions}, or None")
+        return wanted
+
+    def _cost_model(self, verbose: bool):
+        """Auto mode prices swap and recompute with the policy's cost model, else one measured here now."""
+        cost = getattr(self.policy, "cost_model", None) or self.runner.measure_cost_model()
         if verbose:
-            print(f"kvlib: auto preemption, measured host link {cost.host_link_bytes_per_s / 1e9:.2f} GB/s, "
+            print(f"kvlib: auto preemption, host link {cost.host_link_bytes_per_s / 1e9:.2f} GB/s, "
                   f"prefill {cost.prefill_tokens_per_s:,.0f} tokens/s")
-        return LatestArrivalPolicy("auto", cost)
-
-    def _blocks_that_fit(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.gpu_memory_utilization
-        else:
-            budget = CPU_KV_BUDGET_BYTES
-        return max(1, int(budget // self.spec.block_bytes))
+        return cost
 
     # ---- requests ----------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Union[str, list[int]], params: Optional[SamplingParams] = None,
@@ -90,15 +98,19 @@ class LLMEngine:
         ``arrival_time`` (``time.perf_counter()`` seconds, default now) orders the queues: older first,
         and the newest running request is the default preemption victim.
         """
-        params = params or SamplingParams()
-        if request_id in self._requests or any(r.request_id == request_id for r in self._rejected):
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
+        if self.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use; give each request a unique id")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__} {params!r}")
         now = time.perf_counter() if arrival_time is None else arrival_time
         token_ids, error = self._encode(prompt)
         if error is None:
             error = self._check_length(token_ids, params)
+        seq = Sequence(request_id, token_ids, params, self.config.block_size, now, self._seed(params))
         if error is None:
-            seq = self._new_sequence(request_id, token_ids, params, 0, now)
             error = self.scheduler.why_never(seq)
         if error is not None:
             self._reject(request_id, token_ids, params, error)
@@ -107,17 +119,36 @@ class LLMEngine:
         self.metrics.num_prompt_tokens += len(token_ids)
         self.scheduler.add(seq)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` names a live request, a rejection not yet handed out, or a retained record."""
+        return (request_id in self._requests or request_id in self.metrics.requests
+                or any(r.request_id == request_id for r in self._ready))
+
+    def _seed(self, params: SamplingParams) -> int:
+        """A request's seed: its own, or one derived from the engine's seed and the request's number."""
+        self._num_requests += 1
+        return params.seed if params.seed is not None else sample_stream_seed(self.config.seed, self._num_requests)
+
     def _encode(self, prompt) -> tuple[list[int], Optional[str]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return [], "this model folder has no tokenizer.json: pass the prompt as a list of token ids"
             token_ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
+        else:
+            return [], (f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}; "
+                        f"for a numpy array or tensor pass .tolist()")
         if not token_ids:
             return [], "the prompt is empty: give at least one token"
+        not_integers = [t for t in token_ids if not is_integer(t)]
+        if not_integers:
+            bad = not_integers[0]
+            return [], (f"token ids must be integers, got {type(bad).__name__} {bad!r}; "
+                        f"encode text with this model's tokenizer (or pass the prompt as a string)")
+        token_ids = [int(t) for t in token_ids]
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             return token_ids, (f"token id {bad[0]!r} is outside the model's vocabulary (valid ids are 0 to {vocab - 1}); "
                                f"encode the prompt with this model's tokenizer")
@@ -130,123 +161,65 @@ class LLMEngine:
                     f"the model's context of {self.max_model_len}; lower max_tokens or shorten the prompt")
         return None
 
-    def _new_sequence(self, request_id, token_ids, params, index, now) -> Sequence:
-        seq_id = next(self._seq_ids)
-        generator = None
-        if not params.greedy:  # sample j of a seeded request draws like a request seeded seed + j
-            seed = params.seed + index if params.seed is not None else self.config.seed * 1_000_003 + seq_id
-            generator = torch.Generator().manual_seed(seed)
-        return Sequence(seq_id, request_id, list(token_ids), params, self.config.block_size, now, generator)
-
     def _reject(self, request_id, token_ids, params, error) -> None:
         logger.warning("request %s rejected: %s", request_id, error)
         self.metrics.num_rejected += 1
         samples = [SampleOutput([], "" if self.tokenizer else None, "rejected") for _ in range(params.n)]
-        self._rejected.append(RequestOutput(request_id, token_ids, samples, finished=True, error=error))
+        self._ready.append(RequestOutput(request_id, token_ids, samples, finished=True, error=error))
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request in any state (waiting, mid-prefill, running, swapped, forked): every block it
+        holds, on the device and the host, goes back, and no step returns anything more for it."""
+        seqs = self._requests.pop(request_id, None)
+        self._ready = [r for r in self._ready if r.request_id != request_id]
+        if seqs is None:
+            return
+        for seq in seqs:
+            seq.finish_reason = "aborted"
+            self.scheduler.finish(seq)
+        self.metrics.num_aborted += 1
+
+    def hand_back(self, outputs: list[RequestOutput]) -> None:
+        """Outputs a caller stepped past but does not own (``LLM.generate``): the next ``step()`` returns them."""
+        self._ready[:0] = outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished()
+        return bool(self._ready) or self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, move swapped blocks, run the model once, sample; return the requests that progressed."""
-        outputs, self._rejected = self._rejected, []
+        """Plan, move blocks, run the model, record; return the requests that progressed (and rejections)."""
+        outputs, self._ready = self._ready, []
         if not self.scheduler.has_unfinished():
             return outputs
-        start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        self._swap(plan)
+        start, plan = time.perf_counter(), SchedulerOutput()
+        try:
+            self.scheduler.schedule(plan)
+        finally:  # what was planned is carried out, even when a plugged-in piece raised midway
+            self._record_moves(plan.moves, self.runner.execute_moves(plan.moves))
         if not plan.scheduled:
             raise RuntimeError(self._stall_message())
-        ids, positions, meta, rows = build_step_inputs(plan.scheduled, self.config.block_size, self.device)
         forward_start = time.perf_counter()
-        logits = self.model(ids, positions, self.gpu_pool, meta, self.backend, rows)
+        logits = self.runner.forward(plan)
         self._account_recompute(plan, time.perf_counter() - forward_start)
-        finishing = []
-        for seq, num_new in plan.scheduled:
-            seq.num_computed_tokens += num_new
-            seq.peak_computed_tokens = max(seq.peak_computed_tokens, seq.num_computed_tokens)
-            self.scheduler.register_computed(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                finishing.append(seq)
-        rows = self._fork_samples(finishing)
-        tokens = sample(logits[rows], finishing) if finishing else []
-        now = time.perf_counter()
-        for seq, token in zip(finishing, tokens):
-            seq.record_token(token, now)
-            self._maybe_finish(seq, token, now)
-        self.metrics.num_generated_tokens += len(tokens)
-        progressed = [self._request_output(rid) for rid in dict.fromkeys(s.request_id for s in finishing)]
+        tokens = self.runner.sample(logits, plan)
+        result = self.scheduler.postprocess(plan, tokens, time.perf_counter())
+        outputs += self._request_outputs(result)
+        self._record_step(plan, start)
+        return outputs
+
+    def _request_outputs(self, result: StepResult) -> list[RequestOutput]:
+        for child in result.forked:
+            self._requests[child.request_id].append(child)
+        self.metrics.num_generated_tokens += len(result.sampled)
+        progressed = [self._request_output(rid) for rid in dict.fromkeys(s.request_id for s in result.sampled)]
         for out in progressed:
             if out.finished:
-                seqs = self._requests.pop(out.request_id)
-                self.metrics.record_finished(out.request_id, seqs)
+                self.metrics.record_finished(out.request_id, self._requests.pop(out.request_id))
         warning = self.oversubscription.observe(self.metrics)
         if warning:
             logger.warning(warning)
-        self._record_step(plan, start)
-        return outputs + progressed
-
-    def _fork_samples(self, finishing: list[Sequence]) -> list[int]:
-        """After a prefill with n > 1, fork the other samples; each draws from the same logits row."""
-        rows = list(range(len(finishing)))
-        for row, seq in enumerate(list(finishing)):
-            group = self._requests[seq.request_id]
-            if seq.params.n == 1 or len(group) > 1 or seq.output_token_ids:
-                continue
-            for index in range(1, seq.params.n):
-                child = self._new_sequence(seq.request_id, seq.prompt_token_ids, seq.params, index, seq.arrival_time)
-                self.scheduler.fork(seq, child)
-                group.append(child)
-                finishing.append(child)
-                rows.append(row)
-        return rows
-
-    def _account_recompute(self, plan: SchedulerOutput, forward_seconds: float) -> None:
-        """Charge recomputation its share of the forward pass: tokens below a sequence's peak are redone."""
-        redone = sum(max(0, min(seq.num_computed_tokens + n, seq.peak_computed_tokens) - seq.num_computed_tokens)
-                     for seq, n in plan.scheduled)
-        if redone:
-            self.metrics.recompute_time += forward_seconds * redone / plan.num_batched_tokens
-
-    def _swap(self, plan: SchedulerOutput) -> None:
-        """Move this step's blocks: each copy reads what the block held when the step began.
-
-        A block freed by one move may be reused by another in the same step (a host block a
-        resumed sequence just left can receive an evicted prefix block), so every source is
-        gathered before anything is written. Copy-on-write sources are never written in a step
-        (they are still shared), so those copies can run in place, between the two phases.
-        """
-        if not (plan.swap_out or plan.swap_in or plan.copies):
-            return
-        start = time.perf_counter()
-        out_staged = gather_blocks(self.gpu_pool, [d for d, _ in plan.swap_out]) if plan.swap_out else None
-        in_staged = gather_blocks(self.cpu_pool, [h for h, _ in plan.swap_in]) if plan.swap_in else None
-        if plan.copies:
-            src, dst = map(list, zip(*plan.copies))
-            if hasattr(self.backend, "copy_blocks"):
-                self.backend.copy_blocks(self.gpu_pool.data, src, dst)
-            else:
-                copy_blocks_between(self.gpu_pool, self.gpu_pool, src, dst)
-        if out_staged is not None:
-            scatter_blocks(self.cpu_pool, [h for _, h in plan.swap_out], out_staged)
-        if in_staged is not None:
-            scatter_blocks(self.gpu_pool, [d for _, d in plan.swap_in], in_staged)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.metrics.swap_time += time.perf_counter() - start
-        self.metrics.swap_bytes += (len(plan.swap_out) + len(plan.swap_in)) * self.spec.block_bytes
-
-    def _maybe_finish(self, seq: Sequence, token: int, now: float) -> None:
-        params = seq.params
-        if not params.ignore_eos and token in self.model_config.eos_token_ids or token in params.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        else:
-            return
-        seq.finish_time = now
-        self.scheduler.finish(seq)
+        return progressed
 
     def _request_output(self, request_id: str) -> RequestOutput:
         """Tokens so far; the text is decoded once, when the request finishes (decoding every step is quadratic)."""
@@ -257,25 +230,39 @@ class LLMEngine:
                    for s in seqs]
         return RequestOutput(request_id, list(seqs[0].prompt_token_ids), samples, finished=finished)
 
+    def _account_recompute(self, plan: SchedulerOutput, forward_seconds: float) -> None:
+        """Charge recomputation its share of the forward pass: tokens below a sequence's peak are redone."""
+        redone = sum(max(0, min(seq.num_computed_tokens + n, seq.peak_computed_tokens) - seq.num_computed_tokens)
+                     for seq, n in plan.scheduled)
+        if redone:
+            self.metrics.recompute_time += forward_seconds * redone / plan.num_batched_tokens
+
+    def _record_moves(self, moves: BlockMoves, seconds: float) -> None:
+        m = self.metrics
+        m.num_swapped_out_blocks += len(moves.swap_out)
+        m.num_swapped_in_blocks += len(moves.swap_in)
+        m.num_cow_copies += len(moves.copies)
+        m.swap_bytes += (len(moves.to_host) + len(moves.to_device)) * self.runner.spec.block_bytes
+        m.swap_time += seconds
+
     def _record_step(self, plan: SchedulerOutput, start: float) -> None:
         self._step += 1
-        self.metrics.num_steps += 1
-        s = self.scheduler
-        if s.cache is not None:
-            self.metrics.prefix_cache_queried_tokens = s.cache.num_queried_tokens
-            self.metrics.prefix_cache_hit_tokens = s.cache.num_hit_tokens
-            self.metrics.prefix_cache_host_hit_tokens = s.cache.num_host_hit_tokens
+        s, bm, now = self.scheduler, self.block_manager, time.perf_counter()
+        stats = bm.prefix_stats
+        self.metrics.prefix_cache_queried_tokens = stats.queried_tokens
+        self.metrics.prefix_cache_hit_tokens = stats.hit_tokens
+        self.metrics.prefix_cache_host_hit_tokens = stats.host_hit_tokens
         tables = [seq.block_table.blocks for seq in s.waiting + s.running + s.swapped]
-        self.metrics.timeline.append(StepRecord(
-            step=self._step, time=time.perf_counter() - start,
-            gpu_blocks_used=s.gpu.num_used, gpu_blocks_total=s.gpu.num_blocks,
-            cpu_blocks_used=s.cpu.num_used, cpu_blocks_total=s.cpu.num_blocks,
+        self.metrics.record_step(StepRecord(
+            step=self._step, time=now - start, end_time=now,
+            gpu_blocks_used=bm.gpu.num_used, gpu_blocks_total=bm.gpu.num_blocks,
+            cpu_blocks_used=bm.cpu.num_used, cpu_blocks_total=bm.cpu.num_blocks,
             num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
             num_batched_tokens=plan.num_batched_tokens, num_preemptions=plan.num_preemptions,
             blocks_saved_by_sharing=sum(map(len, tables)) - len({b for t in tables for b in t})))
 
     def _stall_message(self) -> str:
-        s = self.scheduler
+        s, bm = self.scheduler, self.block_manager
         return (f"the scheduler found nothing to run: {len(s.waiting)} waiting, {len(s.running)} running, "
-                f"{len(s.swapped)} swapped, {s.gpu.num_free}/{s.gpu.num_blocks} device blocks free; "
+                f"{len(s.swapped)} swapped, {bm.gpu.num_free}/{bm.gpu.num_blocks} device blocks free; "
                 f"this is a bug in the scheduler or in a plugged-in allocator or policy")

@@ -1,8 +1,8 @@
 """Block bookkeeping invariants, checked after any engine step (tests call this after every one).
 
 For both pools: every block is free or owned, each block's reference count equals the number of
-sequences whose table holds it (plus one for the prefix cache, if it names the block), and free
-plus used equals the pool.
+sequences whose table holds it (plus one for the prefix cache or its host tier, if it names the
+block), and free plus used equals the pool.
 """
 from __future__ import annotations
 
@@ -28,16 +28,21 @@ def _check_pool(name: str, allocator, owners: Counter) -> None:
 
 def check_invariants(engine) -> None:
     """Raise :class:`InvariantError` naming the first broken rule."""
-    s = engine.scheduler
+    s, bm = engine.scheduler, engine.block_manager
     live = s.waiting + s.running + s.swapped
     device_owners = Counter(b for seq in live for b in seq.block_table.blocks)
     host_owners = Counter(b for seq in live for b in seq.host_blocks)
-    if s.cache is not None:  # the prefix cache holds one reference to each block it names
-        device_owners.update(b for b in range(s.gpu.num_blocks) if b in s.cache)
-        host_owners.update(s.cache.host_blocks())
-    _check_pool("device", s.gpu, device_owners)
-    _check_pool("host", s.cpu, host_owners)
+    if bm.cache is not None:
+        device_owners.update(entry.block_id for entry in bm.cache)
+    if bm.host_tier is not None:
+        host_owners.update(entry.block_id for entry in bm.host_tier)
+    _check_pool("device", bm.gpu, device_owners)
+    _check_pool("host", bm.cpu, host_owners)
     for seq in live:
-        if seq.num_computed_tokens > seq.block_table.capacity + len(seq.host_blocks) * s.config.block_size:
+        if seq.num_computed_tokens > (len(seq.block_table) + len(seq.host_blocks)) * bm.block_size:
             raise InvariantError(f"sequence {seq.seq_id} claims {seq.num_computed_tokens} computed tokens "
                                  f"but holds room for fewer")
+    running_slots = sum(seq.num_slots for seq in s.running)
+    if running_slots > s.config.max_num_seqs:
+        raise InvariantError(f"{running_slots} sequences run (or will, once they fork), more than "
+                             f"max_num_seqs={s.config.max_num_seqs}")

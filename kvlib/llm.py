@@ -1,10 +1,11 @@
 """``LLM``: the one-call front door, ``generate`` a list of prompts to completion."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from kvlib.config import EngineConfig, SamplingParams
+from kvlib.config import EngineConfig, SamplingParams, is_integer
 from kvlib.engine import LLMEngine
 from kvlib.metrics import EngineMetrics
 from kvlib.outputs import RequestOutput
@@ -15,10 +16,10 @@ Prompt = Union[str, list[int]]
 class LLM:
     """Serve prompts on a paged KV cache.
 
-    Pluggable pieces replace the engine's own, so your code runs inside the real engine:
-    ``allocator`` (a class or factory called with a pool's block count, see ``block_allocator.py``),
-    ``preemption_policy`` (``preemption.py``), ``attention_backend`` (``attention/``),
-    ``block_sharing`` (``sharing.py``) and ``oversubscription_detector`` (``oversubscription.py``).
+    Pluggable pieces replace the engine's own, so your code runs inside the real engine; each
+    one's contract is a protocol in ``kvlib/interfaces.py``: ``allocator`` (a class or factory
+    called with a pool's block count), ``preemption_policy``, ``attention_backend``,
+    ``block_sharing`` and ``oversubscription_detector``.
     """
 
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
@@ -27,6 +28,7 @@ class LLM:
         self.engine = LLMEngine(model, config, allocator=allocator, preemption_policy=preemption_policy,
                                 attention_backend=attention_backend, block_sharing=block_sharing,
                                 oversubscription_detector=oversubscription_detector, verbose=verbose)
+        self._ids = itertools.count()
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -39,28 +41,67 @@ class LLM:
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  progress: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order, rejected ones included."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = params or SamplingParams()
-        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(per_prompt) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams; give one, or one per prompt")
-        base = self.metrics.num_finished + self.metrics.num_rejected
-        ids = [f"req-{base + i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, per_prompt):
-            self.engine.add_request(request_id, prompt, p)
+        """Run every prompt to completion; outputs come back in prompt order, rejected ones included.
+
+        Requests added with ``engine.add_request`` keep their place: their outputs from the steps
+        this call runs come back from the next ``engine.step()``. Should anything raise, this call's
+        own requests are aborted, so the ``LLM`` stays usable.
+        """
+        prompts = _as_prompt_list(prompts)
+        per_prompt = _as_params_list(params, len(prompts))
+        ids = [self._new_id() for _ in prompts]
+        own = set(ids)
         finished: dict[str, RequestOutput] = {}
+        others: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(prompts)) if progress else None
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            for request_id, prompt, p in zip(ids, prompts, per_prompt):
+                self.engine.add_request(request_id, prompt, p)
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.request_id not in own:
+                        others[out.request_id] = out
+                    elif out.finished:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            self.engine.hand_back(list(others.values()))
+            if bar is not None:
+                bar.close()
         return [finished[i] for i in ids]
+
+    def _new_id(self) -> str:
+        while True:
+            request_id = f"generate-{next(self._ids)}"
+            if not self.engine.has_request(request_id):
+                return request_id
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
+        return [prompts]  # one prompt: a string, or a list of token ids
+    if not isinstance(prompts, (list, tuple)):
+        hint = " (for a numpy array or tensor of token ids, pass .tolist())" if hasattr(prompts, "tolist") else ""
+        raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                        f"{type(prompts).__name__}{hint}")
+    return list(prompts)
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError(f"params must be a SamplingParams or a list of them, one per prompt; got {params!r}")
+    if len(params) != count:
+        raise ValueError(f"{count} prompts but {len(params)} SamplingParams; give one, or one per prompt")
+    return list(params)
 
 
 def _progress_bar(total: int):

@@ -2,13 +2,21 @@
 
 Preemption is not free: it shows up as a later first token, a longer request, or a stutter
 (a long gap between two tokens). These are the numbers that make that visible.
+
+A server runs for days, so memory stays bounded: counters and peaks are running totals, while
+the per-request records and the per-step timeline keep only the most recent ``history`` entries
+(``None`` keeps everything, for a short experiment you want to plot in full). ``summary()`` reads
+the counters and the retained records only, so it costs the same at any run length.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from kvlib.sequence import Sequence
+
+DEFAULT_HISTORY = 10_000
 
 
 @dataclass
@@ -25,7 +33,8 @@ class RequestMetrics:
 @dataclass
 class StepRecord:
     step: int
-    time: float
+    time: float  # seconds the step took
+    end_time: float  # time.perf_counter() when it ended
     gpu_blocks_used: int
     gpu_blocks_total: int
     cpu_blocks_used: int
@@ -40,14 +49,14 @@ class StepRecord:
 
 @dataclass
 class EngineMetrics:
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # every time a sequence gave up device blocks
     num_preemptions_swap: int = 0
     num_preemptions_recompute: int = 0
     num_swap_fallbacks: int = 0  # swap chosen but the host pool was full: recomputed instead
-    num_swapped_out_blocks: int = 0
-    num_swapped_in_blocks: int = 0
+    num_swapped_out_blocks: int = 0  # block copies to the host made by preemption
+    num_swapped_in_blocks: int = 0  # block copies back to the device made by resuming
     num_recomputed_tokens: int = 0
-    swap_bytes: int = 0
+    swap_bytes: int = 0  # every byte moved over the host link (preemption and the host prefix tier)
     swap_time: float = 0.0
     recompute_time: float = 0.0  # share of step time spent re-prefilling preempted tokens
     num_cow_copies: int = 0  # shared blocks copied on a sequence's first write into them
@@ -59,78 +68,76 @@ class EngineMetrics:
     num_generated_tokens: int = 0
     num_finished: int = 0
     num_rejected: int = 0
-    requests: dict[str, RequestMetrics] = field(default_factory=dict)
-    timeline: list[StepRecord] = field(default_factory=list)
+    num_aborted: int = 0
+    peak_gpu_blocks_used: int = 0
+    peak_cpu_blocks_used: int = 0
+    peak_blocks_saved_by_sharing: int = 0
+    history: Optional[int] = DEFAULT_HISTORY  # requests and steps kept; None: all of them
+    requests: OrderedDict[str, RequestMetrics] = field(default_factory=OrderedDict)
+    timeline: deque[StepRecord] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        self.timeline = deque(self.timeline, maxlen=self.history)
 
     def reset(self) -> None:
-        fresh = EngineMetrics()
-        self.__dict__.update(fresh.__dict__)
+        self.__dict__.update(EngineMetrics(history=self.history).__dict__)
 
     def record_finished(self, request_id: str, seqs: list[Sequence]) -> None:
         arrival_time = seqs[0].arrival_time
-        finish = max(s.finish_time for s in seqs)
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         self.requests[request_id] = RequestMetrics(
             request_id=request_id,
             arrival_time=arrival_time,
             ttft=min(firsts) - arrival_time if firsts else None,
-            e2e_latency=finish - arrival_time,
+            e2e_latency=max(s.finish_time for s in seqs) - arrival_time,
             num_preemptions=sum(s.num_preemptions for s in seqs),
             max_inter_token_latency=max(s.max_inter_token_latency for s in seqs),
             num_output_tokens=sum(len(s.output_token_ids) for s in seqs),
         )
+        if self.history is not None and len(self.requests) > self.history:
+            self.requests.popitem(last=False)
         self.num_finished += 1
 
-    @property
-    def ttft(self) -> dict[str, Optional[float]]:
-        return {rid: r.ttft for rid, r in self.requests.items()}
-
-    @property
-    def e2e_latency(self) -> dict[str, Optional[float]]:
-        return {rid: r.e2e_latency for rid, r in self.requests.items()}
-
-    @property
-    def max_inter_token_latency(self) -> dict[str, float]:
-        return {rid: r.max_inter_token_latency for rid, r in self.requests.items()}
-
-    @property
-    def preemptions_per_request(self) -> dict[str, int]:
-        return {rid: r.num_preemptions for rid, r in self.requests.items()}
+    def record_step(self, record: StepRecord) -> None:
+        self.num_steps += 1
+        self.timeline.append(record)
+        self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used, record.gpu_blocks_used)
+        self.peak_cpu_blocks_used = max(self.peak_cpu_blocks_used, record.cpu_blocks_used)
+        self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, record.blocks_saved_by_sharing)
 
     def summary(self) -> dict:
-        """Counters and latency percentiles as a plain dict (no per-step timeline)."""
-        out = {k: v for k, v in asdict(self).items() if k not in ("requests", "timeline")}
-        ttfts = sorted(r.ttft for r in self.requests.values() if r.ttft is not None)
-        e2es = sorted(r.e2e_latency for r in self.requests.values() if r.e2e_latency is not None)
-        stutters = [r.max_inter_token_latency for r in self.requests.values()]
+        """Counters, peaks and latency percentiles (over the retained requests) as a plain dict."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("history", "requests", "timeline")}
+        records = list(self.requests.values())
+        ttfts = sorted(r.ttft for r in records if r.ttft is not None)
+        e2es = sorted(r.e2e_latency for r in records if r.e2e_latency is not None)
         out.update(
             ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
             e2e_p50=percentile(e2es, 50), e2e_p99=percentile(e2es, 99),
-            max_inter_token_latency=max(stutters, default=0.0),
+            max_inter_token_latency=max((r.max_inter_token_latency for r in records), default=0.0),
             preemptions_per_finished_request=self.num_preemptions / max(self.num_finished, 1),
-            peak_gpu_blocks_used=max((s.gpu_blocks_used for s in self.timeline), default=0),
-            peak_cpu_blocks_used=max((s.cpu_blocks_used for s in self.timeline), default=0),
-            peak_blocks_saved_by_sharing=max((s.blocks_saved_by_sharing for s in self.timeline), default=0),
         )
         return out
 
-    def plot(self, path: Optional[str] = None, ax=None):
-        """Draw GPU and CPU KV usage per step, with preemptions marked; save to ``path`` if given."""
+    def plot(self, path: Optional[str] = None, ax=None, x: str = "step"):
+        """Draw GPU and CPU KV usage per step (``x="seconds"``: against time), preemptions marked."""
         import matplotlib
         if ax is None and path is not None:
             matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.5))
-        steps = [s.step for s in self.timeline]
-        ax.plot(steps, [s.gpu_blocks_used for s in self.timeline], label="GPU KV blocks used")
-        ax.plot(steps, [s.cpu_blocks_used for s in self.timeline], label="CPU (swap) blocks used")
-        if self.timeline:
-            ax.axhline(self.timeline[0].gpu_blocks_total, color="grey", ls="--", lw=0.8, label="GPU pool size")
-        marks = [s.step for s in self.timeline if s.num_preemptions]
+        timeline = list(self.timeline)
+        start = timeline[0].end_time - timeline[0].time if timeline else 0.0
+        xs = [s.step if x == "step" else s.end_time - start for s in timeline]
+        ax.plot(xs, [s.gpu_blocks_used for s in timeline], label="GPU KV blocks used")
+        ax.plot(xs, [s.cpu_blocks_used for s in timeline], label="CPU (swap) blocks used")
+        if timeline:
+            ax.axhline(timeline[0].gpu_blocks_total, color="grey", ls="--", lw=0.8, label="GPU pool size")
+        marks = [xv for xv, s in zip(xs, timeline) if s.num_preemptions]
         if marks:
             ax.scatter(marks, [0] * len(marks), marker="v", color="red", label="preemption", zorder=3)
-        ax.set_xlabel("engine step")
+        ax.set_xlabel("engine step" if x == "step" else "seconds")
         ax.set_ylabel("KV blocks")
         ax.legend(loc="upper right", fontsize=8)
         if path is not None:

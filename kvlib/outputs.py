@@ -1,7 +1,7 @@
 """What a request gives back: its tokens, its text, why it ended, and how long it took."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 
@@ -19,7 +19,6 @@ class RequestOutput:
     samples: list[SampleOutput]
     finished: bool
     error: Optional[str] = None  # why a rejected request could not run, and what to change
-    metrics: dict = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:

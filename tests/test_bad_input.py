@@ -59,7 +59,7 @@ def test_invalid_config_values(field, value, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(max_tokens=0), "max_tokens must be a positive integer"),
-    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(temperature=-1.0), "temperature must be a finite number >= 0"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(n=0), "n must be a positive integer"),
 ])

@@ -1,7 +1,7 @@
 """The engine benchmark serves the same requests both ways and counts only the tokens asked for."""
 import pytest
 
-from kvlib.bench.engine import make_workload, run_kvlib, run_transformers
+from kvlib.cli.bench.engine import make_workload, run_kvlib, run_transformers
 
 
 def test_workload_is_seeded_and_arrives_in_order():

@@ -3,10 +3,10 @@ import statistics
 
 import pytest
 
-from kvlib.bench.memory import (ContiguousScheme, PagedScheme, Request, kv_bytes_rows, next_power_of_two,
+from kvlib.cli.bench.memory import (ContiguousScheme, PagedScheme, Request, kv_bytes_rows, next_power_of_two,
                                 run_memory_bench, serve)
-from kvlib.bench.report import format_table
-from kvlib.bench.workloads import sharegpt_like_lengths
+from kvlib.cli.bench.report import format_table
+from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.block_table import blocks_for
 
 NUM_REQUESTS, BLOCK_SIZE, MAX_LEN = 1000, 16, 2048

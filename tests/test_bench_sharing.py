@@ -2,9 +2,9 @@
 import pytest
 
 from kvlib import LLM, SamplingParams
-from kvlib.bench.sharing import (PAPER_COLUMN, Request, as_separate, few_shot_requests, main, roomy_config,
+from kvlib.cli.bench.sharing import (PAPER_COLUMN, Request, as_separate, few_shot_requests, main, roomy_config,
                                  run_sharing_bench, sampling_requests, serve)
-from kvlib.bench.workloads import sharegpt_like_lengths
+from kvlib.cli.bench.workloads import sharegpt_like_lengths
 
 NUM_REQUESTS, BLOCK_SIZE, MAX_LEN = 60, 16, 1024
 SAMPLES, PREFIXES = (2, 4, 6), (80, 341)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvlib.bench import preemption, swap
+from kvlib.cli.bench import preemption, swap
 from kvlib.block_table import blocks_for
 from kvlib.model.default import DEFAULT_CONFIG
 

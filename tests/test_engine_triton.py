@@ -22,7 +22,7 @@ def test_triton_engine_matches_torch_engine(arch, checkpoint):
 
     expected, _ = run("torch")
     tokens, llm = run("triton")
-    assert llm.engine.backend.name == "triton"
+    assert llm.engine.runner.backend.name == "triton"
     assert tokens == expected
 
 

@@ -12,10 +12,10 @@ import pytest
 
 from kvlib.block_allocator import BlockAllocator, BlockAllocatorError
 from kvlib.block_table import BlockTable
-from kvlib.grading import GradeReport, Task, TaskResult, expect, grade_notebook, lab02, runner
-from kvlib.grading.record import FAIL, NOT_IMPLEMENTED, PASS, SCORE_FILE_ENV, CheckResult, read_scores
-from kvlib.grading.report import CellError
-from kvlib.labs import remove_hidden_tests
+from kvlib.course.grading import GradeReport, Task, TaskResult, expect, grade_notebook, lab02, runner
+from kvlib.course.grading.record import FAIL, NOT_IMPLEMENTED, PASS, SCORE_FILE_ENV, CheckResult, read_scores
+from kvlib.course.grading.report import CellError
+from kvlib.course.labs import remove_hidden_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab02_allocator.ipynb"

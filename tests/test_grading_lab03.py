@@ -14,8 +14,8 @@ import torch
 
 from kvlib import kernels  # importing kvlib first switches on the Triton interpreter where there is no GPU
 from kvlib.attention.torch_backend import gather_sequence_kv
-from kvlib.grading import grade_notebook, lab03
-from kvlib.grading.record import FAIL, NOT_IMPLEMENTED
+from kvlib.course.grading import grade_notebook, lab03
+from kvlib.course.grading.record import FAIL, NOT_IMPLEMENTED
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlib.grading import grade_notebook, lab05
-from kvlib.grading.record import FAIL
+from kvlib.course.grading import grade_notebook, lab05
+from kvlib.course.grading.record import FAIL
 from kvlib.sharing import BlockSharing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_a_missing_copy_is_caught_by_outputs_and_copy_counts_not_by_bookkeeping(
     result = lab05.check_engine(NeverCopies)
     messages = {c.name: c.message for c in result.failed}
     assert "made 0 copy-on-write copies" in messages["greedy_samples"]
-    assert "a separate request seeded" in messages["seeded_samples"]
+    assert "a separate request drawing" in messages["seeded_samples"]
     assert not any("engine step" in m for m in messages.values())  # reference counts stay right
 
 

@@ -25,7 +25,7 @@ from kvlib.attention.torch_backend import (  # noqa: E402
     store_kv_reference,
 )
 from kvlib.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from kvlib.bench.kernels import decode_case, run_kernel_bench  # noqa: E402
+from kvlib.cli.bench.kernels import decode_case, run_kernel_bench  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 KV_HEADS = 2

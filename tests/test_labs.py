@@ -5,7 +5,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from kvlib.labs import LabError, make_labs, remove_hidden_tests, stale_labs, strip_solutions
+from kvlib.course.labs import LabError, make_labs, remove_hidden_tests, stale_labs, strip_solutions
 
 METHOD = '''class Pool:
     def free(self, block_id):

@@ -10,9 +10,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlib.grading.execute import execute_notebook
-from kvlib.labs import stale_labs
-from kvlib.notebook_setup import FIRST_CELL
+from kvlib.course.grading.execute import execute_notebook
+from kvlib.course.labs import stale_labs
+from kvlib.course.notebook_setup import FIRST_CELL
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p for folder in ("notebooks", "solutions", "labs", "templates")
@@ -35,7 +35,7 @@ def test_committed_without_outputs(path):
 def test_first_code_cell_is_the_shared_setup_cell(path):
     nb = nbformat.read(path, as_version=4)
     first = next((c.source for c in nb.cells if c.cell_type == "code"), None)
-    assert first == FIRST_CELL, f"{_name(path)}: the first code cell must be kvlib.notebook_setup.FIRST_CELL"
+    assert first == FIRST_CELL, f"{_name(path)}: the first code cell must be kvlib.course.notebook_setup.FIRST_CELL"
 
 
 def test_labs_match_a_fresh_generation_from_solutions():

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.grading.serving import serve_checked
+from kvlib.course.grading.serving import serve_checked
 from kvlib.preemption import LatestArrivalPolicy, PreemptionCostModel
 
 MODES = [("recompute", False), ("swap", False), ("recompute", True), ("swap", True)]
@@ -42,7 +42,7 @@ def test_outputs_unchanged_under_pressure(mode, partial, checkpoint, workload, u
     assert m.num_preemptions > 0
     if mode == "swap":
         assert m.num_preemptions_swap == m.num_preemptions and m.num_swapped_out_blocks == m.num_swapped_in_blocks > 0
-        assert m.swap_bytes == (m.num_swapped_out_blocks + m.num_swapped_in_blocks) * llm.engine.spec.block_bytes
+        assert m.swap_bytes == (m.num_swapped_out_blocks + m.num_swapped_in_blocks) * llm.engine.runner.spec.block_bytes
     else:
         assert m.num_preemptions_recompute == m.num_preemptions and m.num_recomputed_tokens > 0
     assert sum(r.num_preemptions for r in m.requests.values()) == m.num_preemptions
@@ -77,7 +77,7 @@ def test_random_workloads_and_pools(data, checkpoint):
 @pytest.mark.parametrize("link, prefill, expected", [(1e3, 1e9, "recompute"), (1e15, 1.0, "swap")])
 def test_auto_mode_follows_the_cost_model(link, prefill, expected, checkpoint, workload, unpressured):
     """Auto picks per victim the cheaper option; outputs stay the same whichever it picks."""
-    policy = LatestArrivalPolicy("auto", PreemptionCostModel(host_link_bytes_per_s=link, prefill_tokens_per_s=prefill))
+    policy = LatestArrivalPolicy(PreemptionCostModel(host_link_bytes_per_s=link, prefill_tokens_per_s=prefill))
     config = EngineConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode="auto", watermark=0.0)
     llm = LLM(checkpoint("llama-gqa"), config, preemption_policy=policy, verbose=False)
     assert run_steps(llm, *workload) == [o.token_ids for o in unpressured]
@@ -89,7 +89,7 @@ def test_auto_mode_follows_the_cost_model(link, prefill, expected, checkpoint, w
 def test_auto_mode_measures_its_constants(checkpoint, workload, unpressured):
     config = EngineConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode="auto", watermark=0.0)
     llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
-    cost = llm.engine.policy.cost_model
+    cost = llm.engine.cost_model
     assert cost.host_link_bytes_per_s > 0 and cost.prefill_tokens_per_s > 0
     assert run_steps(llm, *workload) == [o.token_ids for o in unpressured]
 

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.grading.serving import serve_checked
+from kvlib.course.grading.serving import serve_checked
 
 
 def run_steps(llm, prompts, params):
@@ -34,16 +34,17 @@ def test_greedy_samples_all_equal_the_single_output(folder):
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_seeded_samples_equal_separate_seeded_requests(folder, block_size):
-    """Sample j of a request seeded s draws exactly like a separate request seeded s + j."""
+def test_seeded_samples_have_streams_of_their_own(folder, block_size):
+    """Sample 0 of a request seeded s draws like an n=1 request seeded s; no two samples share a stream."""
     config = EngineConfig(block_size=block_size, num_gpu_blocks=512)
-    params = SamplingParams(max_tokens=16, temperature=1.0, seed=42, n=3)
-    shared = run_steps(LLM(folder, config, verbose=False), PROMPTS, [params] * 2)
-    separate = LLM(folder, config, verbose=False).generate(
-        [p for p in PROMPTS for _ in range(3)],
-        [SamplingParams(max_tokens=16, temperature=1.0, seed=42 + j) for _ in PROMPTS for j in range(3)])
-    assert shared == [[o.token_ids for o in separate[3 * i:3 * i + 3]] for i in range(2)]
-    assert len({tuple(s) for s in shared[0]}) > 1, "samples should diverge, exercising copy-on-write"
+    params = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, n=2) for s in (0, 1, 2)]
+    prompt = PROMPTS[0]
+    shared = run_steps(LLM(folder, config, verbose=False), [prompt] * 3, params)
+    single = LLM(folder, config, verbose=False).generate(
+        [prompt] * 3, [SamplingParams(max_tokens=16, temperature=1.0, seed=s) for s in (0, 1, 2)])
+    assert [samples[0] for samples in shared] == [o.token_ids for o in single]
+    streams = [tuple(sample) for samples in shared for sample in samples]
+    assert len(set(streams)) == 6, "requests seeded 0, 1, 2 with n=2 must give six different streams"
 
 
 @pytest.mark.parametrize("mode, partial", [("recompute", False), ("swap", False), ("swap", True), ("recompute", True)])
@@ -71,13 +72,14 @@ def test_prefix_cache_hits_and_identical_outputs(folder):
     assert m.prefix_cache_hit_tokens == 4 * 32  # every request after the first reuses the 8 prefix blocks
 
 
-def test_prefix_cache_verifies_tokens_not_only_the_hash(folder):
+def test_prefix_cache_verifies_tokens_not_only_the_hash(folder, monkeypatch):
+    for module in ("kvlib.prefix_cache", "kvlib.block_manager"):  # every block's name collides
+        monkeypatch.setattr(f"{module}.block_hash", lambda previous, tokens: 0)
     llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=64, enable_prefix_caching=True), verbose=False)
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2))
-    cache = llm.engine.scheduler.cache
-    [entry] = [e for e in cache._by_hash.values() if e.tokens == (1, 2, 3, 4)]
-    entry.tokens = (9, 9, 9, 9)  # as if another block had collided on the same hash
-    assert cache.match([1, 2, 3, 4, 5], 4) == []
+    bm = llm.engine.block_manager
+    assert len(bm.cached_prefix([1, 2, 3, 4, 5])) == 1
+    assert bm.cached_prefix([9, 9, 9, 9, 5]) == []
 
 
 def test_evicts_least_recently_used_cached_blocks(folder):
@@ -86,10 +88,10 @@ def test_evicts_least_recently_used_cached_blocks(folder):
     first, second = list(range(8)) + [50], list(range(10, 18)) + [50]
     llm.generate([first], SamplingParams(max_tokens=1))
     llm.generate([second], SamplingParams(max_tokens=1))
-    cache = llm.engine.scheduler.cache
-    assert cache.num_cached == 4 and cache.num_evictable == 4
+    bm = llm.engine.block_manager
+    assert bm.cache.num_cached == 4 and bm.cache.num_evictable == 4
     llm.generate([list(range(20, 56)) + [50]], SamplingParams(max_tokens=1))  # 10 blocks: 8 free + 2 evicted
-    assert cache.match(first, 4) == [] and len(cache.match(second, 4)) == 2
+    assert bm.cached_prefix(first) == [] and len(bm.cached_prefix(second)) == 2
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -156,4 +158,4 @@ def test_a_finished_prefix_is_evicted_tail_first(folder):
     prefix = list(range(3, 35))  # 8 full blocks
     llm.generate([prefix + [1]], SamplingParams(max_tokens=1))
     llm.generate([list(range(40, 76)) + [1]], SamplingParams(max_tokens=1))  # 10 blocks: 8 free, 2 evicted
-    assert len(llm.engine.scheduler.cache.match(prefix, 4)) == 6  # the head survives, the tail went first
+    assert len(llm.engine.block_manager.cached_prefix(prefix)) == 6  # the head survives, the tail went first

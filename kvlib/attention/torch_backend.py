@@ -81,3 +81,9 @@ class TorchAttentionBackend:
         if meta.is_decode_only:
             return paged_decode_batched(query, k_cache, v_cache, meta, scale)
         return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+
+    def copy_blocks(self, pool_data: torch.Tensor, src_ids, dst_ids) -> None:
+        """Copy-on-write: blocks ``src_ids`` onto ``dst_ids`` of one pool, all layers, K and V."""
+        src = torch.as_tensor(src_ids, dtype=torch.long, device=pool_data.device)
+        dst = torch.as_tensor(dst_ids, dtype=torch.long, device=pool_data.device)
+        pool_data.index_copy_(0, dst, pool_data.index_select(0, src))

@@ -1,7 +1,7 @@
 """The engine half of a graded check: serve requests step by step, checking bookkeeping after each step."""
 from __future__ import annotations
 
-from kvlib.grading.checks import CheckFailed
+from kvlib.course.grading.checks import CheckFailed
 
 
 def serve_checked(llm, prompts: list, params, max_steps: int) -> list:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvlib.grading.record import FAIL, NOT_IMPLEMENTED, NOT_RUN, PASS, CheckResult, TaskResult, record
+from kvlib.course.grading.record import FAIL, NOT_IMPLEMENTED, NOT_RUN, PASS, CheckResult, TaskResult, record
 
 
 class CheckFailed(AssertionError):

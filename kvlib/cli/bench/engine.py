@@ -2,7 +2,7 @@
 
 Same model (the same safetensors folder), same workload, same KV memory budget, one run:
 
-- the workload is the ShareGPT-like length mix of :mod:`kvlib.bench.workloads`, scaled down by
+- the workload is the ShareGPT-like length mix of :mod:`kvlib.cli.bench.workloads`, scaled down by
   ``--scale`` so it runs on a CPU, arriving as a Poisson process at ``--rate`` requests/s;
 - kvlib gets a paged pool of ``budget`` token slots and serves requests as they arrive
   (continuous batching);
@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from kvlib.bench.report import format_table
-from kvlib.bench.workloads import sharegpt_like_lengths
+from kvlib.cli.bench.report import format_table
+from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.llm import LLM
 from kvlib.metrics import percentile

@@ -22,8 +22,8 @@ import torch
 
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
-from kvlib.grading.checks import Task, expect
-from kvlib.grading.record import TaskResult
+from kvlib.course.grading.checks import Task, expect
+from kvlib.course.grading.record import TaskResult
 
 kernel = Task("kernel")
 engine = Task("engine")

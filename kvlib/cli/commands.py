@@ -11,17 +11,17 @@ BENCHES = ("memory", "kernels", "swap", "preemption", "sharing", "scheduler", "e
 
 
 def _demo(args) -> int:
-    from kvlib.demo import DemoOptions, run_demo
+    from kvlib.cli.demo import DemoOptions, run_demo
     run_demo(DemoOptions(**{f.name: getattr(args, f.name) for f in fields(DemoOptions)}))
     return 0
 
 
 def _bench(args) -> int:
-    """Each benchmark is a module ``kvlib.bench.NAME`` whose ``main(argv)`` prints its tables."""
-    names = [n for n in BENCHES if importlib.util.find_spec(f"kvlib.bench.{n}")] if args.name == "all" else [args.name]
+    """Each benchmark is a module ``kvlib.cli.bench.NAME`` whose ``main(argv)`` prints its tables."""
+    names = [n for n in BENCHES if importlib.util.find_spec(f"kvlib.cli.bench.{n}")] if args.name == "all" else [args.name]
     status = 0
     for name in names:
-        status |= importlib.import_module(f"kvlib.bench.{name}").main(args.rest)
+        status |= importlib.import_module(f"kvlib.cli.bench.{name}").main(args.rest)
         print()
     return status
 
@@ -29,7 +29,7 @@ def _bench(args) -> int:
 def _grade(args) -> int:
     from pathlib import Path
 
-    from kvlib.grading import grade_notebook
+    from kvlib.course.grading import grade_notebook
     if not Path(args.notebook).is_file():
         print(f"kvlib grade: {args.notebook} is not a file; pass the path of a lab notebook, "
               f"e.g. labs/lab02_allocator.ipynb", file=sys.stderr)
@@ -40,7 +40,7 @@ def _grade(args) -> int:
 
 
 def _make_labs(args) -> int:
-    from kvlib.labs import make_labs
+    from kvlib.course.labs import make_labs
     for path in make_labs(args.solutions, args.labs):
         print(f"wrote {path}")
     return 0
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="serve a workload through a small KV pool and report preemptions")
-    defaults = {f.name: f.default for f in fields(__import__("kvlib.demo", fromlist=["DemoOptions"]).DemoOptions)}
+    defaults = {f.name: f.default for f in fields(__import__("kvlib.cli.demo", fromlist=["DemoOptions"]).DemoOptions)}
     for name, default in defaults.items():
         choices = ("recompute", "swap", "auto") if name == "preemption_mode" else None
         demo.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(default), default=default, choices=choices)

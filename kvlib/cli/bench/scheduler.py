@@ -2,23 +2,20 @@
 
 The scheduler runs on the host between GPU steps, so its time is pure overhead. The benchmark
 drives the real :class:`~kvlib.scheduler.Scheduler` through decode steps of many running
-sequences, appending a token to each after every step as the engine would, and reports
+sequences with the model-free driver (``kvlib.cli.bench.driver``), which records every step
+through the same ``postprocess`` the engine uses, and reports
 milliseconds per step. The model, sampling and tensor building are left out on purpose.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Optional
 
-from kvlib.bench.report import format_table
-from kvlib.block_allocator import BlockAllocator
-from kvlib.config import EngineConfig, SamplingParams
-from kvlib.metrics import EngineMetrics
-from kvlib.preemption import LatestArrivalPolicy
-from kvlib.scheduler import Scheduler
-from kvlib.sequence import Sequence
+from kvlib.cli.bench.driver import ModelFreeEngine
+from kvlib.cli.bench.report import format_table
+from kvlib.cli.bench.workloads import Request
+from kvlib.config import EngineConfig
 
 
 def time_scheduler(num_seqs: int, prompt_len: int = 128, steps: int = 64, block_size: int = 16,
@@ -32,27 +29,17 @@ def time_scheduler(num_seqs: int, prompt_len: int = 128, steps: int = 64, block_
     config = EngineConfig(block_size=block_size, num_gpu_blocks=num_blocks, num_cpu_blocks=num_blocks,
                           max_num_seqs=num_seqs, max_num_batched_tokens=num_seqs * prompt_len,
                           enable_prefix_caching=enable_prefix_caching, preemption_mode="swap", watermark=0.0)
-    metrics = EngineMetrics()
-    scheduler = Scheduler(config, BlockAllocator(num_blocks), BlockAllocator(num_blocks),
-                          LatestArrivalPolicy("swap"), metrics, block_bytes=1)
-    params = SamplingParams(max_tokens=steps + 1)
+    engine = ModelFreeEngine(config)
     for i in range(num_seqs):
-        scheduler.add(Sequence(i, f"r{i}", [(i + t) % 1000 for t in range(prompt_len)], params, block_size, float(i)))
+        engine.add(f"r{i}", Request([(i + t) % 1000 for t in range(prompt_len)], steps + 1, arrival=i))
     timings = []
     for step in range(steps + 1):
-        start = time.perf_counter()
-        plan = scheduler.schedule()
-        elapsed = time.perf_counter() - start
-        for seq, num_new in plan.scheduled:
-            seq.num_computed_tokens += num_new
-            scheduler.register_computed(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.output_token_ids.append(step % 1000)
+        engine.step()
         if step > 0:  # step 0 is the prefill admission of everyone
-            timings.append(elapsed)
+            timings.append(engine.last_schedule_seconds)
     return {"running seqs": num_seqs, "prefix caching": enable_prefix_caching, "pool pressure": pressure,
             "ms/step mean": statistics.mean(timings) * 1e3, "ms/step p99": sorted(timings)[int(0.99 * (len(timings) - 1))] * 1e3,
-            "preemptions": metrics.num_preemptions, "target ms": 1.0}
+            "preemptions": engine.metrics.num_preemptions, "target ms": 1.0}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -14,10 +14,10 @@ import math
 from functools import cache
 
 from kvlib.config import SamplingParams
-from kvlib.grading.checks import Task, expect
-from kvlib.grading.record import TaskResult
-from kvlib.grading.serving import serve_checked
-from kvlib.preemption import PreemptionContext, PreemptionCostModel
+from kvlib.course.grading.checks import Task, expect
+from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.serving import serve_checked
+from kvlib.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
 from kvlib.sequence import Sequence
 
 choose_mode = Task("choose_mode")
@@ -41,13 +41,14 @@ TOY = PreemptionCostModel(host_link_bytes_per_s=2048, prefill_tokens_per_s=3.5)
 # 4 blocks (42 us) costs the same as recomputing 50.3 tokens.
 PCIE = PreemptionCostModel(host_link_bytes_per_s=25e9, prefill_tokens_per_s=1.2e6)
 PCIE_BLOCK_BYTES = 16 * 8 * 1024
-VICTIM = Sequence(seq_id=0, request_id="victim", prompt_token_ids=[3], params=SamplingParams(), block_size=4,
-                  arrival_time=0.0)
+VICTIM = VictimCandidate(Sequence(request_id="victim", prompt_token_ids=[3], params=SamplingParams(), block_size=4,
+                                  arrival_time=0.0), is_requester=False, running=True, num_blocks=4,
+                         num_unique_tail_blocks=4, num_shared_blocks=0)
 
 
 def _context(num_blocks: int, num_tokens: int, block_bytes: int = 1024, host_free_blocks: int = 64):
-    return PreemptionContext(num_blocks=num_blocks, num_tokens=num_tokens, block_bytes=block_bytes,
-                             host_free_blocks=host_free_blocks)
+    return PreemptionContext(num_blocks=num_blocks, num_tokens=num_tokens, num_host_blocks=num_blocks,
+                             block_bytes=block_bytes, host_free_blocks=host_free_blocks)
 
 
 def _describe(cost: PreemptionCostModel, c: PreemptionContext) -> str:

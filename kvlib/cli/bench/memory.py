@@ -1,6 +1,6 @@
 """``kvlib bench memory``: how much KV memory paging saves, measured on kvlib's own block allocator.
 
-Each scheme serves the same ShareGPT-like workload (``kvlib.bench.workloads``) in the same fixed
+Each scheme serves the same ShareGPT-like workload (``kvlib.cli.bench.workloads``) in the same fixed
 memory of ``memory_slots`` KV slots (one slot holds one token's K and V for every layer), one
 engine step at a time, with no model forward: only the memory bookkeeping is simulated.
 
@@ -37,8 +37,8 @@ from typing import Callable, Optional
 
 import torch
 
-from kvlib.bench.report import format_table
-from kvlib.bench.workloads import sharegpt_like_lengths
+from kvlib.cli.bench.report import format_table
+from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.block_allocator import AllocStatus, BlockAllocator
 from kvlib.block_table import BlockTable, blocks_for
 from kvlib.kv_cache import KVCacheSpec

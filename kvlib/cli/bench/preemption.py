@@ -1,6 +1,6 @@
 """``kvlib bench preemption``: one oversubscribed workload served in every preemption mode, side by side.
 
-- Workload: ShareGPT-like lengths (``kvlib.bench.workloads``) divided by ``scale`` so that it runs
+- Workload: ShareGPT-like lengths (``kvlib.cli.bench.workloads``) divided by ``scale`` so that it runs
   on a CPU, random prompt tokens, greedy decoding with ``ignore_eos`` so that every request
   generates exactly its drawn output length. All requests arrive at once.
 - The first row serves it on the default model in a device pool big enough for every request
@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from kvlib.bench.report import format_table
-from kvlib.bench.workloads import sharegpt_like_lengths
+from kvlib.cli.bench.report import format_table
+from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.block_table import blocks_for
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.llm import LLM

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlib.grading.record import FAIL, TaskResult
+from kvlib.course.grading.record import FAIL, TaskResult
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Every workload is served twice on the same requests, once with sharing and once without:
 
 - Parallel sampling, ``n`` = 2, 4, 6 samples per request. Shared: one sequence is prefilled and
-  the other samples fork from it, as ``LLMEngine._fork_samples`` does, so they hold the prompt's
+  the other samples fork from it, as the engine does, so they hold the prompt's
   blocks by reference and copy the last, partly filled one on their first write. Separate: ``n``
   independent requests with the same prompt, each holding its own copy.
 - Few-shot prompts: every request starts with the same prefix, then its own question. The prefix
@@ -16,8 +16,9 @@ uses (with a prefix, drawn for the context the prefix leaves). Token ids are uni
 so only the intended prefix is ever shared. Request ``i`` arrives before step ``i``: a steady
 stream, so requests overlap in time and a computed prefix is there for the next one.
 
-No model runs; everything else is the real engine's block accounting: kvlib's ``Scheduler``,
-``BlockAllocator``, ``PrefixCache`` and ``BlockSharing``. After each step the scheduled tokens are
+No model runs; everything else is the real engine's block accounting: kvlib's ``Scheduler`` and
+``BlockManager`` (with its ``BlockAllocator``, ``PrefixCache`` and ``BlockSharing``), driven by
+``kvlib.cli.bench.driver``. After each step the scheduled tokens are
 marked computed and their full blocks registered with the prefix cache, and each sequence that
 reached its end gets a placeholder token, until it has its drawn answer length (as with
 ``ignore_eos``). The device pool holds every sequence at once, so nothing is preempted and the
@@ -38,15 +39,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvlib.bench.report import format_table
-from kvlib.bench.workloads import sharegpt_like_lengths
-from kvlib.block_allocator import BlockAllocator
 from kvlib.block_table import blocks_for
-from kvlib.config import EngineConfig, SamplingParams
-from kvlib.metrics import EngineMetrics
-from kvlib.preemption import LatestArrivalPolicy
-from kvlib.scheduler import Scheduler
-from kvlib.sequence import Sequence
+from kvlib.cli.bench.driver import ModelFreeEngine
+from kvlib.cli.bench.report import format_table
+from kvlib.cli.bench.workloads import Request, sharegpt_like_lengths
+from kvlib.config import EngineConfig
 
 PAPER = "Kwon et al., SOSP 2023 (PagedAttention), sections 6.3-6.4"
 PAPER_COLUMN = "paper's reported figure (other workloads)"
@@ -59,14 +56,6 @@ PAPER_NOTE = (
     "37.6-55.2% on Alpaca, 44.3-66.3% on ShareGPT). For shared prefixes it reports throughput over Orca (Oracle),\n"
     "LLaMA-13B on WMT16 translation, not memory. Its models, traces, arrival rates and memory limits differ\n"
     "from this synthetic run.")
-
-
-@dataclass
-class Request:
-    prompt: list[int]
-    max_tokens: int
-    n: int = 1
-    arrival_step: int = 0  # added to the queue just before this step
 
 
 @dataclass
@@ -109,7 +98,7 @@ def few_shot_requests(num_requests: int, prefix_len: int, seed: int = 0, max_len
 
 def as_separate(requests: list[Request]) -> list[Request]:
     """Each sample as a request of its own: the same prompt, computed and stored ``n`` times."""
-    return [Request(r.prompt, r.max_tokens, 1, r.arrival_step) for r in requests for _ in range(r.n)]
+    return [Request(r.prompt, r.max_tokens, 1, r.arrival) for r in requests for _ in range(r.n)]
 
 
 def roomy_config(requests: list[Request], block_size: int = 16, prefix_caching: bool = False) -> EngineConfig:
@@ -121,60 +110,24 @@ def roomy_config(requests: list[Request], block_size: int = 16, prefix_caching: 
 
 
 def serve(requests: list[Request], block_size: int = 16, prefix_caching: bool = False) -> Usage:
-    """Run ``requests``, each added to the queue before its ``arrival_step``, through the scheduler to the end."""
-    config = roomy_config(requests, block_size, prefix_caching)
-    metrics = EngineMetrics()
-    scheduler = Scheduler(config, BlockAllocator(config.num_gpu_blocks), BlockAllocator(0), LatestArrivalPolicy(),
-                          metrics, block_bytes=1)
-    seq_ids, usage = itertools.count(), Usage()
-    pending = deque(sorted(enumerate(requests), key=lambda item: item[1].arrival_step))
-    while pending or scheduler.has_unfinished():
-        while pending and pending[0][1].arrival_step <= len(usage.blocks):
+    """Run ``requests``, each added to the queue before its ``arrival`` step, through the scheduler to the end."""
+    engine = ModelFreeEngine(roomy_config(requests, block_size, prefix_caching))
+    usage = Usage()
+    pending = deque(sorted(enumerate(requests), key=lambda item: item[1].arrival))
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1].arrival <= len(usage.blocks):
             i, r = pending.popleft()
-            params = SamplingParams(max_tokens=r.max_tokens, n=r.n, ignore_eos=True)
-            scheduler.add(Sequence(next(seq_ids), f"r{i}", list(r.prompt), params, block_size, float(r.arrival_step)))
-        finishing = _compute(scheduler, scheduler.schedule().scheduled, usage)
-        for seq in list(finishing):
-            finishing += _fork_samples(scheduler, seq, seq_ids)
-        for seq in finishing:
-            seq.output_token_ids.append(0)
-            if len(seq.output_token_ids) == seq.params.max_tokens:
-                scheduler.finish(seq)
-        _record_step(scheduler, usage)
-    usage.cow_copies, usage.preemptions = metrics.num_cow_copies, metrics.num_preemptions
-    usage.prefix_hit_tokens = scheduler.cache.num_hit_tokens if scheduler.cache else 0
+            engine.add(f"r{i}", r)
+        engine.step()
+        usage.prefill_tokens += sum(max(0, min(start + n, len(seq.prompt_token_ids)) - start)
+                                    for (seq, n), start in zip(engine.last_plan.scheduled, engine.last_starts))
+        tables = [seq.block_table.blocks for seq in engine.live_sequences()]
+        usage.blocks.append(len({b for table in tables for b in table}))
+        usage.table_entries.append(sum(map(len, tables)))
+    m = engine.metrics
+    usage.cow_copies, usage.preemptions = m.num_cow_copies, m.num_preemptions
+    usage.prefix_hit_tokens = engine.block_manager.prefix_stats.hit_tokens
     return usage
-
-
-def _compute(scheduler: Scheduler, scheduled: list[tuple[Sequence, int]], usage: Usage) -> list[Sequence]:
-    """What a model step would leave behind: tokens computed, full blocks named; returns who samples next."""
-    finishing = []
-    for seq, num_new in scheduled:
-        start = seq.num_computed_tokens
-        usage.prefill_tokens += max(0, min(start + num_new, len(seq.prompt_token_ids)) - start)
-        seq.num_computed_tokens = seq.peak_computed_tokens = start + num_new
-        scheduler.register_computed(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            finishing.append(seq)
-    return finishing
-
-
-def _fork_samples(scheduler: Scheduler, seq: Sequence, seq_ids) -> list[Sequence]:
-    """After the prefill of a request with n > 1, its other samples fork from it (as the engine does)."""
-    if seq.params.n == 1 or seq.output_token_ids:
-        return []
-    children = []
-    for _ in range(seq.params.n - 1):
-        children.append(Sequence(next(seq_ids), seq.request_id, list(seq.prompt_token_ids), seq.params,
-                                 seq.block_size, seq.arrival_time))
-        scheduler.fork(seq, children[-1])
-    return children
-
-
-def _record_step(scheduler: Scheduler, usage: Usage) -> None:
-    tables = [s.block_table.blocks for s in scheduler.waiting + scheduler.running + scheduler.swapped]
-    usage.blocks.append(len({b for table in tables for b in table}))
-    usage.table_entries.append(sum(map(len, tables)))
 
 
 def compare(workload: str, shared: Usage, separate: Usage, paper: str) -> dict:

@@ -10,8 +10,8 @@ too small for the workload and in one with room.
 from __future__ import annotations
 
 from kvlib.config import SamplingParams
-from kvlib.grading.checks import Task, expect
-from kvlib.grading.record import TaskResult
+from kvlib.course.grading.checks import Task, expect
+from kvlib.course.grading.record import TaskResult
 from kvlib.metrics import EngineMetrics
 
 detector = Task("detector")

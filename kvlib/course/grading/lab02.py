@@ -12,9 +12,9 @@ from collections import Counter
 from functools import cache
 
 from kvlib.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
-from kvlib.grading.checks import Task, expect, expect_raises
-from kvlib.grading.record import TaskResult
-from kvlib.grading.serving import serve_checked
+from kvlib.course.grading.checks import Task, expect, expect_raises
+from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.serving import serve_checked
 
 allocator = Task("allocator")
 block_table = Task("block_table")

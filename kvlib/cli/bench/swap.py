@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 import torch
 
-from kvlib.bench.memory import LLAMA3_8B_CONFIG
-from kvlib.bench.report import format_table
+from kvlib.cli.bench.memory import LLAMA3_8B_CONFIG
+from kvlib.cli.bench.report import format_table
 from kvlib.cost_probe import time_once
 from kvlib.device import resolve_device, resolve_dtype
 from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between

@@ -7,7 +7,8 @@ check, so a bug costs the checks that cover it. The engine checks pass an instan
 ``LLM(..., block_sharing=...)``, serve requests with n > 1 samples, check the block bookkeeping
 after every step, and compare the tokens with what the sharing promises: greedy samples equal
 the n = 1 output, and sample ``j`` of a request seeded ``s`` equals a separate request seeded
-``s + j``, with and without preemption.
+``sample_stream_seed(s, j)`` (the stream the engine derives for that sample), with and without
+preemption.
 """
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from functools import cache
 from typing import Callable
 
 from kvlib.block_allocator import BlockAllocator
-from kvlib.grading.checks import Task, expect
-from kvlib.grading.record import TaskResult
-from kvlib.grading.serving import serve_checked
+from kvlib.course.grading.checks import Task, expect
+from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.serving import serve_checked
 
 fork = Task("fork")
 copy_on_write = Task("copy_on_write")
@@ -224,8 +225,8 @@ def under_preemption(cls) -> None:
 def _expect_separate(outs: list[list[list[int]]], reference: tuple, where: str) -> None:
     for i, samples in enumerate(outs):
         for j, (mine, theirs) in enumerate(zip(samples, reference[i])):
-            expect(mine == list(theirs), f"request {i}, sample {j}{where}: {mine}, but a separate request seeded "
-                                         f"{SEED} + {j} gives {list(theirs)}")
+            expect(mine == list(theirs), f"request {i}, sample {j}{where}: {mine}, but a separate request drawing "
+                                         f"from sample {j}'s stream gives {list(theirs)}")
 
 
 @cache
@@ -237,10 +238,12 @@ def _greedy_reference() -> tuple:
 
 @cache
 def _seeded_reference(prompts: tuple, max_tokens: int, block_size: int) -> tuple:
-    """Sample ``j`` of each prompt as a request of its own, seeded ``SEED + j``, in a pool with room for all."""
+    """Sample ``j`` of each prompt as a request of its own, drawing from sample ``j``'s stream, in a roomy pool."""
     from kvlib import LLM, EngineConfig, SamplingParams
+    from kvlib.sequence import sample_stream_seed
     llm = LLM("default", EngineConfig(block_size=block_size, num_gpu_blocks=1024, device="cpu"), verbose=False)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=SEED + j) for _ in prompts for j in range(N)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=sample_stream_seed(SEED, j))
+              for _ in prompts for j in range(N)]
     outs = llm.generate([list(p) for p in prompts for _ in range(N)], params)
     return tuple(tuple(o.token_ids for o in outs[N * i:N * (i + 1)]) for i in range(len(prompts)))
 

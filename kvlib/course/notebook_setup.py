@@ -17,10 +17,10 @@ REPO_URL = "https://github.com/kvlib-course/kvlib"
 FIRST_CELL = f"""\
 # Setup, the same in every notebook: kvlib from this clone, or installed from GitHub in Colab.
 import pathlib, subprocess, sys
-root = next((p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "kvlib" / "notebook_setup.py").is_file()), None)
+root = next((p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "kvlib" / "course" / "notebook_setup.py").is_file()), None)
 if root is None and "google.colab" in sys.modules: subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+{REPO_URL}"], check=True)
 sys.path[:0] = [str(root)] if root else []
-from kvlib.notebook_setup import setup; setup()"""
+from kvlib.course.notebook_setup import setup; setup()"""
 
 
 def setup() -> None:

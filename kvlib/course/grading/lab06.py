@@ -13,9 +13,9 @@ from __future__ import annotations
 from functools import cache
 
 from kvlib.config import SamplingParams
-from kvlib.grading.checks import Task, expect
-from kvlib.grading.record import TaskResult
-from kvlib.grading.serving import serve_checked
+from kvlib.course.grading.checks import Task, expect
+from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.serving import serve_checked
 from kvlib.preemption import LatestArrivalPolicy, VictimCandidate
 from kvlib.sequence import Sequence
 
@@ -36,7 +36,7 @@ class ReferencePolicy(LatestArrivalPolicy):
     """The rule the lab asks for; the engine checks hold the learner's policy to its cost."""
 
     def select_victim(self, candidates: list[VictimCandidate], shortfall: int) -> VictimCandidate:
-        requester = next(c for c in candidates if c.running)
+        requester = next(c for c in candidates if c.is_requester)
         givers = [c for c in candidates if c is not requester and c.num_unique_tail_blocks > 0]
         covering = [c for c in givers if c.num_unique_tail_blocks >= shortfall]
         return (covering or givers or [requester])[-1]
@@ -46,7 +46,7 @@ class ReferencePolicy(LatestArrivalPolicy):
 def _candidate(name: str, arrival: float, running: bool, unique: int, shared: int = 0) -> VictimCandidate:
     seq = Sequence(seq_id=ord(name), request_id=name, prompt_token_ids=[3], params=SamplingParams(), block_size=4,
                    arrival_time=arrival)
-    return VictimCandidate(seq, running, unique + shared, unique, shared)
+    return VictimCandidate(seq, name == "R", running, unique + shared, unique, shared)
 
 
 def _describe(c: VictimCandidate) -> str:
@@ -56,7 +56,7 @@ def _describe(c: VictimCandidate) -> str:
 
 
 def _expect_choice(cls, candidates: list[VictimCandidate], shortfall: int, expected: str, why: str) -> None:
-    chosen = cls("swap").select_victim(list(candidates), shortfall)
+    chosen = cls().select_victim(list(candidates), shortfall)
     got = chosen.seq.request_id if isinstance(chosen, VictimCandidate) else repr(chosen)
     expect(got == expected, f"candidates [{'; '.join(map(_describe, candidates))}], shortfall {shortfall}: "
                             f"you chose {got}, expected {expected} ({why})")
@@ -149,10 +149,10 @@ def _unpressured_tokens() -> tuple:
 
 @cache
 def _serve(policy_cls) -> tuple[list, dict]:
-    """Serve the workload step by step with ``policy_cls("swap")``, checking block bookkeeping after every step."""
+    """Serve the workload step by step with ``policy_cls()``, checking block bookkeeping after every step."""
     from kvlib import LLM, EngineConfig
 
-    llm = LLM("default", EngineConfig(device="cpu", **ENGINE_CONFIG), preemption_policy=policy_cls("swap"),
+    llm = LLM("default", EngineConfig(device="cpu", **ENGINE_CONFIG), preemption_policy=policy_cls(),
               verbose=False)
     outputs = serve_checked(llm, PROMPTS, PARAMS, MAX_STEPS)
     m = llm.metrics

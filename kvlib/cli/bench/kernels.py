@@ -126,7 +126,7 @@ def run_kernel_bench() -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from kvlib.bench.report import format_table
+    from kvlib.cli.bench.report import format_table
     argparse.ArgumentParser(prog="kvlib bench kernels", description=__doc__.splitlines()[0]).parse_args(argv)
     rows = run_kernel_bench()
     if not rows:

@@ -1,7 +1,7 @@
 """Execute a learner's notebook (``kvlib grade NOTEBOOK``) and collect the score of every task.
 
 The lab's tasks come from the notebook's metadata (``{"kvlib": {"lab": "lab02"}}`` names
-``kvlib.grading.lab02``), so a task whose grading cell never ran still shows, with zero points.
+``kvlib.course.grading.lab02``), so a task whose grading cell never ran still shows, with zero points.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Optional
 import nbformat
 from nbclient.exceptions import DeadKernelError
 
-from kvlib.grading.checks import Task
-from kvlib.grading.execute import CELL_TIMEOUT_S, execute
-from kvlib.grading.record import SCORE_FILE_ENV, read_scores
-from kvlib.grading.report import CellError, GradeReport
+from kvlib.course.grading.checks import Task
+from kvlib.course.grading.execute import CELL_TIMEOUT_S, execute
+from kvlib.course.grading.record import SCORE_FILE_ENV, read_scores
+from kvlib.course.grading.report import CellError, GradeReport
 
 
 def grade_notebook(path: str | Path, timeout: int = CELL_TIMEOUT_S) -> GradeReport:
@@ -41,7 +41,7 @@ def grade_notebook(path: str | Path, timeout: int = CELL_TIMEOUT_S) -> GradeRepo
 
 def lab_tasks(nb: nbformat.NotebookNode) -> list[Task]:
     lab = nb.metadata.get("kvlib", {}).get("lab")
-    return importlib.import_module(f"kvlib.grading.{lab}").TASKS if lab else []
+    return importlib.import_module(f"kvlib.course.grading.{lab}").TASKS if lab else []
 
 
 def _cell_errors(nb: nbformat.NotebookNode, timeout: int) -> list[CellError]:

@@ -1,0 +1,342 @@
+"""The block manager: which KV blocks each sequence holds, on the device and in the host pool.
+
+It is the mechanism under the scheduler's policy. The scheduler asks predicate/action pairs
+(``can_admit``/``admit``, ``can_grow``/``grow``, ``can_swap_in``/``swap_in``, ``swap_out``,
+``drop``, ``fork``, ``free``) and never touches a reference count; the block manager owns both
+allocators, the prefix cache with its host tier, and block sharing. It moves no bytes either:
+each action adds the copies it implies to the step's :class:`BlockMoves`, which the model runner
+carries out before the forward pass.
+
+Three rules keep a step's copies correct whatever order the actions came in:
+
+- Moves run in three phases: device to host (swap-out, demotion), device to device
+  (copy-on-write), host to device (swap-in, promotion); every copy reads what its source held
+  when the step began. A device block that a swap-out frees can therefore be reused at once.
+- A host block that a move of this step reads or writes is held (one extra reference) until the
+  step's moves are done, so no other action of the same step can reuse it.
+- A full block never changes while anyone holds it, so one host copy of it serves every sample
+  that swaps it out, and one device copy every sample that swaps it back in (its *twin*).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvlib.block_allocator import AllocStatus
+from kvlib.block_table import blocks_for
+from kvlib.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
+from kvlib.sequence import Sequence
+from kvlib.sharing import BlockSharing
+
+
+@dataclass
+class BlockMoves:
+    """The block copies one step owes, grouped by the phase they run in."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host): preempted sequences
+    demote: list[tuple[int, int]] = field(default_factory=list)  # (device, host): evicted prefix blocks kept on the host
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (device, device): copy-on-write
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device): resumed sequences
+    promote: list[tuple[int, int]] = field(default_factory=list)  # (host, device): host-tier prefix hits
+
+    @property
+    def to_host(self) -> list[tuple[int, int]]:
+        return self.swap_out + self.demote
+
+    @property
+    def to_device(self) -> list[tuple[int, int]]:
+        return self.swap_in + self.promote
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.demote or self.copies or self.swap_in or self.promote)
+
+
+@dataclass
+class PrefixStats:
+    queried_tokens: int = 0  # prompt tokens of sequences looked up in the prefix cache
+    hit_tokens: int = 0  # of those, tokens served from cached blocks
+    host_hit_tokens: int = 0  # of the hits, tokens copied back from the host tier
+
+
+class BlockManager:
+    def __init__(self, block_size: int, gpu_allocator, cpu_allocator, *, watermark_blocks: int = 0,
+                 enable_prefix_caching: bool = False, host_prefix_cache: bool = False,
+                 sharing: Optional[BlockSharing] = None):
+        self.block_size = block_size
+        self.gpu = gpu_allocator
+        self.cpu = cpu_allocator
+        self.watermark_blocks = watermark_blocks
+        self.sharing = sharing or BlockSharing()
+        self.cache = PrefixCache(gpu_allocator) if enable_prefix_caching else None
+        self.host_tier = HostPrefixTier(cpu_allocator) if host_prefix_cache else None
+        self.prefix_stats = PrefixStats()
+        self.moves = BlockMoves()
+        self._held_host: list[int] = []  # host blocks read or written by this step's moves
+        self._moved_out: dict[int, int] = {}  # device -> host copy made this step
+        self._moved_in: dict[int, int] = {}  # host -> device copy made this step
+        self._host_twin: dict[int, int] = {}  # full device block -> host block with the same K/V
+        self._device_twin: dict[int, int] = {}  # full host block -> device block with the same K/V
+
+    # ---- the step ------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.moves = BlockMoves()
+        self._moved_out.clear()
+        self._moved_in.clear()
+
+    def end_step(self) -> BlockMoves:
+        """The step's moves; the host blocks they hold are let go (the copies run before anything reuses them)."""
+        for block in self._held_host:
+            self._free_host(block)
+        self._held_host.clear()
+        return self.moves
+
+    # ---- capacity ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Device blocks that can be handed out now: free ones, plus cached ones nobody uses."""
+        return self.gpu.num_free + (self.cache.num_evictable if self.cache is not None else 0)
+
+    def _status(self, needed: int, use_watermark: bool, revived: int = 0) -> AllocStatus:
+        """The allocator's answer, counting evictable cached blocks (minus those a hit revives) as free."""
+        spare = self.cache.num_evictable - revived if self.cache is not None else 0
+        return self.gpu.can_allocate(max(0, needed - spare), self.watermark_blocks if use_watermark else 0)
+
+    def sharers(self, block: int) -> int:
+        """Sequences holding a device block (the prefix cache's own reference is not a user)."""
+        return self.gpu.ref_count(block) - (1 if self.cache is not None and block in self.cache else 0)
+
+    def unique_tail(self, seq: Sequence) -> int:
+        """Trailing device blocks no other sequence holds: what a partial preemption can take."""
+        count = 0
+        for block in reversed(seq.block_table.blocks):
+            if self.sharers(block) != 1:
+                break
+            count += 1
+        return count
+
+    def num_shared(self, seq: Sequence) -> int:
+        return sum(1 for block in seq.block_table.blocks if self.sharers(block) > 1)
+
+    # ---- growing -------------------------------------------------------------------------------
+    def blocks_to_grow(self, seq: Sequence, end: int) -> int:
+        """New device blocks ``seq`` needs to compute up to position ``end``: missing ones and private copies."""
+        return seq.block_table.num_missing_blocks(end) + len(self._shared_in_range(seq, end))
+
+    def can_grow(self, seq: Sequence, end: int) -> bool:
+        return self.num_free_blocks >= self.blocks_to_grow(seq, end)
+
+    def grow(self, seq: Sequence, end: int) -> None:
+        """Make room for positions ``num_computed_tokens .. end-1``: a private copy of any shared block they write."""
+        for index in self._shared_in_range(seq, end):
+            copy = self.sharing.make_writable(self.gpu, seq.block_table.blocks, index, self._take)
+            if copy is not None:
+                self.moves.copies.append(copy)
+        for _ in range(seq.block_table.num_missing_blocks(end)):
+            seq.block_table.append(self._take())
+
+    def _shared_in_range(self, seq: Sequence, end: int) -> list[int]:
+        first = seq.num_computed_tokens // self.block_size
+        last = min(len(seq.block_table), blocks_for(end, self.block_size))
+        return [i for i in range(first, last) if self.gpu.ref_count(seq.block_table.blocks[i]) > 1]
+
+    # ---- admission -----------------------------------------------------------------------------
+    def prefix_hits(self, seq: Sequence) -> list[PrefixHit]:
+        """Cached blocks for a sequence that holds none yet; its last token is always computed."""
+        if self.cache is None or seq.block_table.blocks or seq.host_blocks:
+            return []
+        return match_prefix(seq.token_ids[:-1], self.block_size, self.cache, self.host_tier)
+
+    def cached_prefix(self, token_ids: list[int]) -> list[PrefixHit]:
+        """The leading full blocks of ``token_ids`` the prefix cache (or its host tier) holds now."""
+        return match_prefix(token_ids, self.block_size, self.cache, self.host_tier) if self.cache is not None else []
+
+    def can_admit(self, seq: Sequence, hits: list[PrefixHit], end: int, use_watermark: bool) -> bool:
+        if not hits:
+            return self._status(self.blocks_to_grow(seq, end), use_watermark) is AllocStatus.OK
+        from_host = sum(1 for h in hits if h.on_host)  # each is copied back into a new device block
+        revived = sum(1 for h in hits if not h.on_host and self.gpu.ref_count(h.block_id) == 1)
+        needed = from_host + max(0, blocks_for(end, self.block_size) - len(hits))
+        return self._status(needed, use_watermark, revived) is AllocStatus.OK
+
+    def admit(self, seq: Sequence, hits: list[PrefixHit]) -> None:
+        """Take the hit blocks, copying host-tier ones back; ``grow`` makes room for the rest."""
+        if self.cache is not None and not seq.block_table.blocks and not seq.host_blocks:
+            self._record_query(seq, hits)
+        # Claim every hit before taking a device block: taking one may evict a cached block, and
+        # that eviction may push the host tier to make room, so either could be an unclaimed hit.
+        claimed = [self._hold_host(h.block_id) if h.on_host else self._share(h.block_id) for h in hits]
+        for hit, block in zip(hits, claimed):
+            if hit.on_host:
+                entry = self.host_tier.lookup(hit.name, self._block_tokens(seq, len(seq.block_table)))
+                block = self._take()
+                self.moves.promote.append((hit.block_id, block))
+                self.host_tier.touch(hit.name)
+                self.cache.insert(hit.name, entry.tokens, block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(hit.name)
+        seq.num_computed_tokens += len(hits) * self.block_size
+
+    def _record_query(self, seq: Sequence, hits: list[PrefixHit]) -> None:
+        self.prefix_stats.queried_tokens += seq.num_tokens
+        self.prefix_stats.hit_tokens += len(hits) * self.block_size
+        self.prefix_stats.host_hit_tokens += sum(self.block_size for h in hits if h.on_host)
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[index * self.block_size:(index + 1) * self.block_size])
+
+    # ---- swapping ------------------------------------------------------------------------------
+    def host_blocks_needed(self, seqs: list[Sequence], count: Optional[int] = None) -> int:
+        """Host blocks a swap-out of each sequence's last ``count`` blocks (None: all) would allocate."""
+        new = set()
+        for seq in seqs:
+            for index, block in self._tail(seq, count):
+                if block not in self._moved_out and not (self._is_full(seq, index) and block in self._host_twin):
+                    new.add(block)
+        return len(new)
+
+    def make_host_room(self, needed: int) -> bool:
+        """Evict host-tier prefix blocks until ``needed`` host blocks are free: a preempted sequence outranks them."""
+        while self.cpu.num_free < needed and self.host_tier is not None and self.host_tier.evict_one():
+            pass
+        return self.cpu.num_free >= needed
+
+    def swap_out(self, seq: Sequence, count: Optional[int] = None) -> None:
+        """Move the last ``count`` device blocks (None: all) to the host; the caller made room."""
+        hosts = []
+        for index, block in self._tail(seq, count):
+            if block in self._moved_out:
+                host = self.cpu.fork(self._moved_out[block])
+            elif self._is_full(seq, index) and block in self._host_twin:
+                host = self.cpu.fork(self._host_twin[block])
+            else:
+                host = self.cpu.allocate()
+                self._hold_host(host)
+                self.moves.swap_out.append((block, host))
+                self._moved_out[block] = host
+                if self._is_full(seq, index):
+                    self._pair(block, host)
+            hosts.append(host)
+        seq.host_blocks = hosts + seq.host_blocks
+        self._release(seq, len(hosts))
+
+    def can_swap_in(self, seq: Sequence, end: int, use_watermark: bool) -> bool:
+        needed = blocks_for(end, self.block_size) - len(seq.block_table)  # at most one new block per position past the head
+        return self._status(needed, use_watermark) is AllocStatus.OK
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Bring ``seq``'s host blocks back to the device (sharing a twin instead of copying, where one lives)."""
+        for host in seq.host_blocks:
+            index = len(seq.block_table)
+            if host in self._moved_in:
+                block = self._share(self._moved_in[host])
+            elif self._is_full(seq, index) and host in self._device_twin:
+                block = self._share(self._device_twin[host])
+            else:
+                block = self._take()
+                self.moves.swap_in.append((host, block))
+                self._moved_in[host] = block
+                if self._is_full(seq, index):
+                    self._pair(block, host)
+            seq.block_table.append(block)
+            self._hold_host(host)
+            self._free_host(host)  # the hold keeps it until the copy has run
+        seq.host_blocks = []
+
+    def _tail(self, seq: Sequence, count: Optional[int]) -> list[tuple[int, int]]:
+        """(table index, block) of the last ``count`` device blocks (None: all)."""
+        blocks = seq.block_table.blocks
+        first = 0 if count is None else len(blocks) - count
+        return list(enumerate(blocks))[first:]
+
+    def _is_full(self, seq: Sequence, index: int) -> bool:
+        return (index + 1) * self.block_size <= seq.num_computed_tokens
+
+    def _pair(self, device_block: int, host_block: int) -> None:
+        self._host_twin[device_block] = host_block
+        self._device_twin[host_block] = device_block
+
+    # ---- letting go ----------------------------------------------------------------------------
+    def drop(self, seq: Sequence, count: Optional[int] = None) -> int:
+        """Recompute later: let go of the last ``count`` device blocks (None: all) and of any host copy.
+
+        Host blocks hold positions after the device ones, so they go too. Returns the computed
+        tokens lost.
+        """
+        before = seq.num_computed_tokens
+        for host in seq.host_blocks:
+            self._free_host(host)
+        seq.host_blocks = []
+        self._release(seq, len(seq.block_table) if count is None else count)
+        return before - seq.num_computed_tokens
+
+    def free(self, seq: Sequence) -> None:
+        """A finished or aborted sequence lets go of everything it holds."""
+        self.drop(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` continues from ``parent``'s computed tokens, sharing every block by reference."""
+        child.block_table.blocks = self.sharing.fork(self.gpu, list(parent.block_table.blocks))
+        child.num_computed_tokens = child.peak_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Name the blocks ``seq`` has just filled, so later requests can reuse them."""
+        if self.cache is None:
+            return
+        for index in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            previous = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = self._block_tokens(seq, index)
+            name = block_hash(previous, tokens)
+            self.cache.insert(name, tokens, seq.block_table.blocks[index])
+            seq.block_hashes.append(name)
+
+    def _release(self, seq: Sequence, count: int) -> None:
+        """Drop ``seq``'s reference to its last ``count`` device blocks; shared ones live on for the others."""
+        released = seq.block_table.pop_tail(count)
+        for block in released:
+            self.gpu.free(block)
+            self._forget_if_free(block)
+        if self.cache is not None:
+            self.cache.released(released)
+        kept = (len(seq.block_table) + len(seq.host_blocks)) * self.block_size
+        seq.num_computed_tokens = min(seq.num_computed_tokens, kept)
+        del seq.block_hashes[len(seq.block_table) + len(seq.host_blocks):]
+
+    # ---- single blocks -------------------------------------------------------------------------
+    def _take(self) -> int:
+        """A free device block, evicting the least recently released cached one when none is free."""
+        if self.gpu.num_free == 0 and self.cache is not None:
+            entry = self.cache.evict_one()
+            if entry is not None:
+                self._forget_if_free(entry.block_id)
+                self._demote(entry.name, entry.tokens, entry.block_id)
+        return self.gpu.allocate()
+
+    def _share(self, block: int) -> int:
+        if self.cache is not None:
+            self.cache.acquired(block)
+        return self.gpu.fork(block)
+
+    def _demote(self, name: int, tokens: tuple[int, ...], device_block: int) -> None:
+        """Keep an evicted device block on the host tier, if there is one and it has (or makes) room."""
+        if self.host_tier is None or name in self.host_tier:
+            return
+        if self.cpu.num_free == 0 and not self.host_tier.evict_one():
+            return
+        host = self.cpu.allocate()
+        self._hold_host(host)
+        self.moves.demote.append((device_block, host))
+        self.host_tier.put(name, tokens, host)
+
+    def _hold_host(self, block: int) -> int:
+        self._held_host.append(self.cpu.fork(block))
+        return block
+
+    def _free_host(self, block: int) -> None:
+        self.cpu.free(block)
+        if self.cpu.ref_count(block) == 0 and block in self._device_twin:
+            self._host_twin.pop(self._device_twin.pop(block), None)
+
+    def _forget_if_free(self, block: int) -> None:
+        if self.gpu.ref_count(block) == 0 and block in self._host_twin:
+            self._device_twin.pop(self._host_twin.pop(block), None)

@@ -1,0 +1,141 @@
+"""The contracts of every piece you can replace: pass your own object to ``LLM(...)``.
+
+Each protocol says what an implementation may do, what must stay true, and what the engine
+guarantees in return. The engine checks what it can when it is built (a missing method, a policy
+that conflicts with the configuration) and after every step in tests
+(:func:`kvlib.invariants.check_invariants`); whatever a plugged-in piece decides, the block
+bookkeeping it is handed is consistent, and outputs stay token-for-token correct as long as the
+piece keeps its contract.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from kvlib.attention.metadata import AttentionMetadata
+from kvlib.block_allocator import AllocStatus
+from kvlib.metrics import EngineMetrics
+from kvlib.preemption import LatestArrivalPolicy, PreemptionContext, PreemptionCostModel, VictimCandidate
+
+
+@runtime_checkable
+class BlockAllocator(Protocol):
+    """One pool's block ids ``0 .. num_blocks-1``: a free list and reference counts (``LLM(allocator=cls)``,
+    called once per pool with its block count).
+
+    May: hand out free blocks in any order. Must keep true: ``num_free + num_used == num_blocks``;
+    a block is free exactly when its reference count is 0; ``allocate`` returns a free block with
+    count 1; ``fork`` adds one owner to an owned block; ``free`` removes one and returns the block
+    to the free list at 0; misuse (double free, an id out of range, an empty pool) raises
+    :class:`kvlib.block_allocator.BlockAllocatorError`. The engine guarantees: it asks
+    ``can_allocate`` before allocating, counts every owner (sequences and the prefix cache), and
+    never frees what it did not allocate or fork.
+    """
+
+    num_blocks: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def num_used(self) -> int: ...
+
+    def ref_count(self, block_id: int) -> int: ...
+
+    def can_allocate(self, num_blocks: int, watermark_blocks: int = 0) -> AllocStatus:
+        """OK: ``num_blocks`` are free with ``watermark_blocks`` to spare; NEVER: more than the pool
+        minus the watermark; LATER: otherwise."""
+
+    def allocate(self) -> int: ...
+
+    def fork(self, block_id: int) -> int: ...
+
+    def free(self, block_id: int) -> None: ...
+
+
+@runtime_checkable
+class PreemptionPolicy(Protocol):
+    """Who gives up device blocks when a running sequence cannot grow, and how (``LLM(preemption_policy=...)``).
+
+    ``select_victim`` gets the candidates, oldest arrival first: the requester (``is_requester``,
+    the running sequence that needs ``shortfall`` more blocks), running sequences not yet scheduled
+    this step, and paused sequences still holding blocks of their own. It must return one of them;
+    the engine takes the victim's blocks (only its unique tail, no more than the shortfall, with
+    partial preemption) and asks again until the requester fits or was itself the victim.
+
+    ``choose_mode`` is asked for each victim only with ``preemption_mode="auto"`` and returns
+    ``"swap"`` or ``"recompute"``; ``EngineConfig.preemption_mode`` alone decides otherwise. The
+    engine guarantees that a swap without room on the host recomputes instead (counted in
+    ``metrics.num_swap_fallbacks``) and that no choice changes a single output token.
+    """
+
+    cost_model: Optional[PreemptionCostModel]
+
+    def select_victim(self, candidates: list[VictimCandidate], shortfall: int) -> VictimCandidate: ...
+
+    def choose_mode(self, victim: VictimCandidate, context: PreemptionContext) -> str: ...
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Attention over the paged KV cache (``LLM(attention_backend=...)``).
+
+    For each layer of a step, ``store_kv`` writes the step's new keys and values into their slots
+    (``meta.slot_mapping``), then ``forward`` returns attention of the packed queries over each
+    sequence's cached context, causally (see :class:`AttentionMetadata`). ``copy_blocks`` copies
+    block ``src_ids[i]`` onto ``dst_ids[i]`` of one pool tensor, all layers, K and V. Must keep
+    true: ``forward`` reads only through the block tables, never writes the cache. The engine
+    guarantees that no copy destination is also a source or appears twice.
+    """
+
+    name: str
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+
+    def forward(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor: ...
+
+    def copy_blocks(self, pool_data: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class BlockSharing(Protocol):
+    """How sequences share blocks (``LLM(block_sharing=...)``).
+
+    ``fork`` returns a child's block table: the parent's blocks, each with one more owner through
+    ``allocator.fork``; it copies no K/V. ``make_writable`` is called before a sequence writes into
+    ``blocks[index]`` while someone else holds it: it takes a new block with ``take_block()``,
+    drops the writer's reference to the old one, puts the new one at ``blocks[index]`` and returns
+    ``(old, new)``, the copy the engine must make; it returns None for a block only the writer
+    holds. The engine guarantees the copy runs before the step's forward pass, reading what the
+    old block held when the step began.
+    """
+
+    def fork(self, allocator: BlockAllocator, blocks: list[int]) -> list[int]: ...
+
+    def make_writable(self, allocator: BlockAllocator, blocks: list[int], index: int,
+                      take_block: Callable[[], int]) -> Optional[tuple[int, int]]: ...
+
+
+@runtime_checkable
+class OversubscriptionDetector(Protocol):
+    """Watches the metrics after every step (``LLM(oversubscription_detector=...)``) and returns a
+    warning to log, or None. May keep state between calls; must not change the metrics."""
+
+    def observe(self, metrics: EngineMetrics) -> Optional[str]: ...
+
+
+def check_preemption_policy(policy, preemption_mode: str) -> None:
+    """The mode has one owner: ``EngineConfig.preemption_mode``; a policy may choose only in auto mode."""
+    if not callable(getattr(policy, "select_victim", None)):
+        raise TypeError(f"the preemption policy {policy!r} has no select_victim(candidates, shortfall) method")
+    own_choice = getattr(type(policy), "choose_mode", None)
+    if preemption_mode == "auto" and own_choice is None:
+        raise TypeError(f"preemption_mode='auto' asks the policy to choose swap or recompute, but {policy!r} "
+                        f"has no choose_mode(victim, context) method")
+    if preemption_mode != "auto" and own_choice not in (None, LatestArrivalPolicy.choose_mode):
+        raise ValueError(f"{type(policy).__name__} chooses between swap and recompute itself (it defines "
+                         f"choose_mode), but EngineConfig.preemption_mode={preemption_mode!r} fixes the mode; set "
+                         f"preemption_mode='auto' to let the policy choose")
