@@ -15,7 +15,7 @@ from kvlib.cost_probe import measure_cost_model
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, gather_blocks, scatter_blocks
 from kvlib.metrics import EngineMetrics, StepRecord
-from kvlib.model.default import default_model_path
+from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.loader import load_model
 from kvlib.model_runner import build_step_inputs
 from kvlib.outputs import RequestOutput, SampleOutput
@@ -38,7 +38,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        folder = default_model_path() if str(model) == "default" else Path(model)
+        folder = resolve_model_folder(model)
         self.model = load_model(folder, self.device, self.dtype)
         self.model_config = self.model.config
         self.tokenizer = Tokenizer.from_folder(folder)

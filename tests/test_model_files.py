@@ -93,3 +93,14 @@ def test_shard_named_by_the_index_is_missing(folder):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors.*named by .*index.json"):
         LLM(folder, verbose=False)
+
+
+def test_missing_folder_names_what_would_work(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        LLM(tmp_path / "nope", verbose=False)
+    assert "'default'" in str(err.value) and "'smollm2-135m'" in str(err.value)
+
+
+def test_hub_name_is_not_downloaded():
+    with pytest.raises(FileNotFoundError, match="kvlib does not download"):
+        LLM("HuggingFaceTB/SmolLM2-135M-Instruct", verbose=False)

@@ -84,26 +84,40 @@ def _check_against_config(found: dict, expected: dict[str, list[int]], folder: P
                               f"the weights and {config_file} disagree: use the config.json that came with them")
 
 
-def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def _expected_shapes(config: ModelConfig) -> dict[str, list[int]]:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: list(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")  # the embedding matrix serves both
+    return expected
+
+
+def check_folder(folder: str | Path) -> tuple[ModelConfig, list[Path]]:
+    """config.json and every safetensors header checked against each other, no tensor read yet."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist; pass a Hugging Face model folder or \"default\"")
     config = ModelConfig.from_folder(folder)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = {name: list(t.shape) for name, t in model.state_dict().items()}
     files = _safetensors_files(folder)
     found = _tensor_shapes(files)
     if config.tie_word_embeddings:
         found.pop("lm_head.weight", None)  # some tied checkpoints store the shared matrix twice
-        expected.pop("lm_head.weight")
-    _check_against_config(found, expected, folder, folder / "config.json")
+    _check_against_config(found, _expected_shapes(config), folder, folder / "config.json")
+    return config, files
+
+
+def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    config, files = check_folder(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    wanted = _expected_shapes(config)
     # One tensor at a time onto the device in the engine's dtype: peak memory stays near one model.
     weights = {}
     for path in files:
         with _open(path) as f:
             for name in f.keys():
-                if name in expected:
+                if name in wanted:
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
     model.load_state_dict(weights, strict=False, assign=True)  # checked above; a tied lm_head is not in it
     if config.tie_word_embeddings:
