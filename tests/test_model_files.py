@@ -104,3 +104,8 @@ def test_missing_folder_names_what_would_work(tmp_path):
 def test_hub_name_is_not_downloaded():
     with pytest.raises(FileNotFoundError, match="kvlib does not download"):
         LLM("HuggingFaceTB/SmolLM2-135M-Instruct", verbose=False)
+
+
+def test_weights_file_instead_of_its_folder(folder):
+    with pytest.raises(NotADirectoryError, match="is a file: pass the model folder that holds it"):
+        LLM(folder / "model.safetensors", verbose=False)

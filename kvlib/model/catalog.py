@@ -75,8 +75,11 @@ def resolve_model_folder(model: Union[str, Path]) -> Path:
     if str(model) in PACKAGED_MODELS:
         return prepare_model(str(model))
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return _converted(path, path.stem)
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _converted(path, path.stem)
+        raise NotADirectoryError(f"{path} is a file: pass the model folder that holds it (config.json, "
+                                 f"*.safetensors, tokenizer.json), or a .gguf file")
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
@@ -92,8 +95,11 @@ def resolve_model_folder(model: Union[str, Path]) -> Path:
 
 
 def _looks_like_hub_id(model) -> bool:
-    parts = str(model).split("/")
-    return isinstance(model, str) and len(parts) == 2 and all(parts) and not str(model).startswith((".", "~"))
+    """``"owner/name"`` given as a string, as one would pass to transformers' ``from_pretrained``."""
+    if not isinstance(model, str) or model.startswith((".", "~", "/")):
+        return False
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts)
 
 
 def _converted(gguf_path: Path, label: str) -> Path:
