@@ -39,7 +39,7 @@ def gguf_name(hf: str) -> str:
     return f"blk.{index}.{LAYER_NAMES[module]}.{kind}"
 
 
-def write_gguf(folder: Path, path: Path, architecture: str = "llama") -> Path:
+def write_gguf(folder: Path, path: Path, architecture: str = "llama", add_bos: bool = False) -> Path:
     """A float32 GGUF of the transformers checkpoint in ``folder``, laid out as llama.cpp writes one."""
     import json
 
@@ -61,6 +61,8 @@ def write_gguf(folder: Path, path: Path, architecture: str = "llama") -> Path:
     writer.add_token_types([1] * (len(TOKENS) - 1) + [3])
     writer.add_token_merges(['! "'])
     writer.add_eos_token_id(len(TOKENS) - 1)
+    writer.add_bos_token_id(len(TOKENS) - 1)
+    writer.add_add_bos_token(add_bos)
     for name, tensor in load_file(folder / "model.safetensors").items():
         array = tensor.numpy()
         if ".q_proj." in name or ".k_proj." in name:
@@ -92,8 +94,10 @@ def test_gguf_file_is_served_like_its_source(arch, checkpoint, tmp_path, cache):
 
 def test_folder_holding_only_a_gguf_is_converted(checkpoint, tmp_path, cache):
     pytest.importorskip("gguf")
-    write_gguf(checkpoint("llama-gqa"), tmp_path / "model.gguf")
+    write_gguf(checkpoint("llama-gqa"), tmp_path / "model.gguf", add_bos=True)
     llm = LLM(tmp_path, verbose=False)
+    end = len(TOKENS) - 1
+    assert llm.tokenizer.encode('a!"b<|end|>') == [end, TOKENS.index("a"), TOKENS.index('!"'), TOKENS.index("b"), end]
     assert llm.tokenizer.decode(llm.tokenizer.encode('a!"b')) == 'a!"b'
     assert llm.engine.model_config.eos_token_ids == [len(TOKENS) - 1]
 

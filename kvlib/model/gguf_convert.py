@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvlib.model.errors import CheckpointError, UnsupportedModelError
+from kvlib.model.errors import UnsupportedModelError
+from kvlib.model.gguf_file import metadata, read_gguf
 from kvlib.model.gguf_tokenizer import write_tokenizer
 
 GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -23,28 +24,6 @@ LAYER_TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_lay
                  "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 
 
-def read_gguf(path: Path):
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError(f"reading {path} needs the gguf package: pip install \"kvlib[smollm2]\" "
-                          f"(or pip install gguf)") from None
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as err:  # the reader raises ValueError, KeyError or struct errors on a damaged file
-        raise CheckpointError(f"{path} is not a readable GGUF file ({type(err).__name__}: {err}); "
-                              f"it may be truncated: download or copy it again") from None
-
-
-def _value(reader, key: str, source: Path, default=...):
-    field = reader.fields.get(key)
-    if field is None:
-        if default is ...:
-            raise CheckpointError(f"{source} has no {key!r} in its metadata; is it a complete llama GGUF file?")
-        return default
-    return field.contents()
-
-
 def _shortest(value: float) -> float:
     """A float32 metadata value as the decimal it was written from (9.99999974e-06 -> 1e-05)."""
     return float(str(np.float32(value)))
@@ -52,15 +31,15 @@ def _shortest(value: float) -> float:
 
 def hf_config(reader, source: Path) -> dict:
     """The ``config.json`` transformers' ``LlamaConfig`` reads, from llama.cpp's metadata keys."""
-    arch = _value(reader, "general.architecture", source)
+    arch = metadata(reader, "general.architecture", source)
     if arch != "llama":
         raise UnsupportedModelError(
             f"{source}: GGUF architecture {arch!r} is not supported; kvlib converts llama-architecture GGUF "
             f"files (Llama, SmolLM, TinyLlama): for other models use their Hugging Face folder")
     names = {t.name for t in reader.tensors}
 
-    def get(key, default=...):
-        return _value(reader, f"llama.{key}", source, default)
+    def get(key, *default):
+        return metadata(reader, f"llama.{key}", source, *default)
 
     if get("expert_count", 0):
         raise UnsupportedModelError(f"{source}: llama.expert_count {get('expert_count')} (mixture of experts) "
@@ -76,7 +55,7 @@ def hf_config(reader, source: Path) -> dict:
     scaling = get("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise UnsupportedModelError(f"{source}: llama.rope.scaling.type {scaling!r} is not supported (none, linear)")
-    tokens = _value(reader, "tokenizer.ggml.tokens", source)
+    tokens = metadata(reader, "tokenizer.ggml.tokens", source)
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
         "vocab_size": get("vocab_size", len(tokens)),
@@ -93,8 +72,8 @@ def hf_config(reader, source: Path) -> dict:
         "attention_bias": "blk.0.attn_output.bias" in names,
         "mlp_bias": "blk.0.ffn_down.bias" in names,
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _value(reader, "tokenizer.ggml.bos_token_id", source, None),
-        "eos_token_id": _value(reader, "tokenizer.ggml.eos_token_id", source, None),
+        "bos_token_id": metadata(reader, "tokenizer.ggml.bos_token_id", source, None),
+        "eos_token_id": metadata(reader, "tokenizer.ggml.eos_token_id", source, None),
         "torch_dtype": "float32",
     }
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from kvlib.model.errors import UnsupportedModelError
+from kvlib.model.gguf_file import metadata
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 # llama.cpp's pre-tokenizers by name: the pieces split off before GPT-2's own split.
@@ -18,16 +19,14 @@ CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
 DIGITS_FIRST = {"gpt2": False, "smollm": True}
 
 
-def _value(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
 def build_tokenizer(reader, source: Path):
     """The ``tokenizers.Tokenizer`` the file describes."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    kind, pre = _value(reader, "tokenizer.ggml.model"), _value(reader, "tokenizer.ggml.pre", "gpt2")
+    def get(key, *default):
+        return metadata(reader, f"tokenizer.ggml.{key}", source, *default)
+
+    kind, pre = get("model"), get("pre", "gpt2")
     if kind != "gpt2":
         raise UnsupportedModelError(
             f"{source}: tokenizer.ggml.model {kind!r} is not converted; kvlib rebuilds byte-level BPE "
@@ -36,12 +35,12 @@ def build_tokenizer(reader, source: Path):
         raise UnsupportedModelError(
             f"{source}: tokenizer.ggml.pre {pre!r} is not converted (kvlib knows {', '.join(DIGITS_FIRST)}); "
             f"use the original Hugging Face folder of this model instead")
-    tokens = _value(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(merge.split(" ", 1)) for merge in _value(reader, "tokenizer.ggml.merges")]
-    types = _value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = get("tokens")
+    merges = [tuple(merge.split(" ", 1)) for merge in get("merges")]
+    types = get("token_type", None) or [1] * len(tokens)
     vocab = {token: index for index, token in enumerate(tokens)}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(_value(reader, "tokenizer.ggml.add_space_prefix")),
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=bool(get("add_space_prefix", False)),
                                           use_regex=True)
     tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
                                if DIGITS_FIRST[pre] else byte_level)
@@ -51,25 +50,28 @@ def build_tokenizer(reader, source: Path):
                                   for t, kind in zip(tokens, types) if kind == CONTROL])
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
                           for t, kind in zip(tokens, types) if kind == USER_DEFINED])
-    bos = _value(reader, "tokenizer.ggml.bos_token_id")
-    if _value(reader, "tokenizer.ggml.add_bos_token") and bos is not None:
+    bos = get("bos_token_id", None)
+    if get("add_bos_token", False) and bos is not None:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
     return tokenizer
 
 
-def tokenizer_config(reader, context_length: int) -> dict:
+def tokenizer_config(reader, source: Path, context_length: int) -> dict:
     """``tokenizer_config.json``: the special tokens by text and the chat template, as transformers reads them."""
-    tokens = _value(reader, "tokenizer.ggml.tokens")
+    def get(key, *default):
+        return metadata(reader, f"tokenizer.{key}", source, *default)
+
+    tokens = get("ggml.tokens")
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
               "model_max_length": context_length,
-              "add_bos_token": bool(_value(reader, "tokenizer.ggml.add_bos_token", False))}
+              "add_bos_token": bool(get("ggml.add_bos_token", False))}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        token_id = _value(reader, f"tokenizer.ggml.{key}")
+        token_id = get(f"ggml.{key}", None)
         if token_id is not None:
             config[name] = tokens[token_id]
-    template = _value(reader, "tokenizer.chat_template")
+    template = get("chat_template", None)
     if template:
         config["chat_template"] = template
     return config
@@ -77,4 +79,4 @@ def tokenizer_config(reader, context_length: int) -> dict:
 
 def write_tokenizer(reader, source: Path, folder: Path, context_length: int) -> None:
     build_tokenizer(reader, source).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(reader, context_length), indent=2))
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(reader, source, context_length), indent=2))
