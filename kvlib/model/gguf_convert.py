@@ -35,7 +35,7 @@ def hf_config(reader, source: Path) -> dict:
     if arch != "llama":
         raise UnsupportedModelError(
             f"{source}: GGUF architecture {arch!r} is not supported; kvlib converts llama-architecture GGUF "
-            f"files (Llama, SmolLM, TinyLlama): for other models use their Hugging Face folder")
+            f"files (such as SmolLM2's): for other models use their Hugging Face folder")
     names = {t.name for t in reader.tensors}
 
     def get(key, *default):
@@ -49,9 +49,10 @@ def hf_config(reader, source: Path) -> dict:
                                     f"converted; use the model's Hugging Face folder, whose rope_scaling kvlib reads")
     heads = get("attention.head_count")
     head_dim = get("attention.key_length", get("embedding_length") // heads)
-    if get("rope.dimension_count", head_dim) != head_dim or get("attention.value_length", head_dim) != head_dim:
-        raise UnsupportedModelError(f"{source}: llama.rope.dimension_count {get('rope.dimension_count')} differs "
-                                    f"from the head size {head_dim} (partial rotary) and is not supported")
+    for key in ("rope.dimension_count", "attention.value_length"):
+        if get(key, head_dim) != head_dim:
+            raise UnsupportedModelError(f"{source}: llama.{key} {get(key)} differs from the head size {head_dim} "
+                                        f"and is not supported; kvlib rotates and stores whole heads")
     scaling = get("rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise UnsupportedModelError(f"{source}: llama.rope.scaling.type {scaling!r} is not supported (none, linear)")
