@@ -17,7 +17,7 @@ from kvlib.config import EngineConfig, SamplingParams, is_integer
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.interfaces import check_preemption_policy
 from kvlib.metrics import EngineMetrics, StepRecord
-from kvlib.model.default import default_model_path
+from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.loader import load_model
 from kvlib.model_runner import ModelRunner
 from kvlib.outputs import RequestOutput, SampleOutput
@@ -37,7 +37,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        folder = default_model_path() if str(model) == "default" else Path(model)
+        folder = resolve_model_folder(model)
         model = load_model(folder, self.device, self.dtype)
         self.model_config = model.config
         self.tokenizer = Tokenizer.from_folder(folder)

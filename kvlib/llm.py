@@ -75,6 +75,20 @@ class LLM:
                 bar.close()
         return [finished[i] for i in ids]
 
+    def chat(self, conversations, params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             progress: bool = False) -> list[RequestOutput]:
+        """``generate`` for an instruct model: each conversation (a string is one user message, or a list of
+        ``{"role": ..., "content": ...}`` messages) goes through the model's chat template first."""
+        if isinstance(conversations, str) or (isinstance(conversations, list) and conversations
+                                              and isinstance(conversations[0], dict)):
+            conversations = [conversations]
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer, so it has no chat template; use generate() "
+                             "with token ids")
+        prompts = [self.tokenizer.encode_chat([{"role": "user", "content": c}] if isinstance(c, str) else c)
+                   for c in conversations]
+        return self.generate(prompts, params, progress)
+
     def _new_id(self) -> str:
         while True:
             request_id = f"generate-{next(self._ids)}"

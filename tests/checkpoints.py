@@ -12,6 +12,10 @@ ARCHITECTURES = {
     # Qwen2: q/k/v projections carry a bias, embeddings tied
     "qwen2-bias-tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1,
                                                                tie_word_embeddings=True)),
+    # Llama with attention_bias (q/k/v and o_proj) and mlp_bias (gate/up/down)
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                           attention_bias=True, mlp_bias=True,
+                                                           tie_word_embeddings=False)),
     # Mistral: GQA, no sliding window within these lengths
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
                                                             sliding_window=None, tie_word_embeddings=False)),
@@ -19,7 +23,10 @@ ARCHITECTURES = {
 
 
 def write_checkpoint(folder: Path, arch: str, seed: int = 0, vocab_size: int = 96, max_positions: int = 1024) -> Path:
-    """Save a random checkpoint; weights are widened so greedy decoding does not repeat one token."""
+    """Save a random checkpoint; weights are widened so greedy decoding does not repeat one token.
+
+    Biases are drawn too: transformers initializes them to zero, which would hide a dropped bias.
+    """
     import transformers
     config_cls, model_cls, extra = ARCHITECTURES[arch]
     config = getattr(transformers, config_cls)(
@@ -28,6 +35,10 @@ def write_checkpoint(folder: Path, arch: str, seed: int = 0, vocab_size: int = 9
         eos_token_id=None, pad_token_id=None, **extra)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0.0, 0.25)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
