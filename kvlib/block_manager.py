@@ -73,7 +73,6 @@ class BlockManager:
         self.moves = BlockMoves()
         self._held_host: list[int] = []  # host blocks read or written by this step's moves
         self._moved_out: dict[int, int] = {}  # device -> host copy made this step
-        self._moved_in: dict[int, int] = {}  # host -> device copy made this step
         self._host_twin: dict[int, int] = {}  # full device block -> host block with the same K/V
         self._device_twin: dict[int, int] = {}  # full host block -> device block with the same K/V
 
@@ -81,7 +80,6 @@ class BlockManager:
     def begin_step(self) -> None:
         self.moves = BlockMoves()
         self._moved_out.clear()
-        self._moved_in.clear()
 
     def end_step(self) -> BlockMoves:
         """The step's moves; the host blocks they hold are let go (the copies run before anything reuses them)."""
@@ -224,17 +222,18 @@ class BlockManager:
         return self._status(needed, use_watermark) is AllocStatus.OK
 
     def swap_in(self, seq: Sequence) -> None:
-        """Bring ``seq``'s host blocks back to the device (sharing a twin instead of copying, where one lives)."""
+        """Bring ``seq``'s host blocks back to the device, sharing a full block's twin instead of copying it.
+
+        A partly filled block is copied for each sample, never shared: its next write would otherwise
+        need a copy-on-write of a block whose K/V only arrives in this step's last phase.
+        """
         for host in seq.host_blocks:
             index = len(seq.block_table)
-            if host in self._moved_in:
-                block = self._share(self._moved_in[host])
-            elif self._is_full(seq, index) and host in self._device_twin:
+            if self._is_full(seq, index) and host in self._device_twin:
                 block = self._share(self._device_twin[host])
             else:
                 block = self._take()
                 self.moves.swap_in.append((host, block))
-                self._moved_in[host] = block
                 if self._is_full(seq, index):
                     self._pair(block, host)
             seq.block_table.append(block)

@@ -74,10 +74,15 @@ class EngineMetrics:
     peak_blocks_saved_by_sharing: int = 0
     history: Optional[int] = DEFAULT_HISTORY  # requests and steps kept; None: all of them
     requests: OrderedDict[str, RequestMetrics] = field(default_factory=OrderedDict)
-    timeline: deque[StepRecord] = field(default_factory=deque)
+    steps: deque[StepRecord] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
-        self.timeline = deque(self.timeline, maxlen=self.history)
+        self.steps = deque(self.steps, maxlen=self.history)
+
+    @property
+    def timeline(self) -> list[StepRecord]:
+        """The retained steps, oldest first."""
+        return list(self.steps)
 
     def reset(self) -> None:
         self.__dict__.update(EngineMetrics(history=self.history).__dict__)
@@ -100,14 +105,14 @@ class EngineMetrics:
 
     def record_step(self, record: StepRecord) -> None:
         self.num_steps += 1
-        self.timeline.append(record)
+        self.steps.append(record)
         self.peak_gpu_blocks_used = max(self.peak_gpu_blocks_used, record.gpu_blocks_used)
         self.peak_cpu_blocks_used = max(self.peak_cpu_blocks_used, record.cpu_blocks_used)
         self.peak_blocks_saved_by_sharing = max(self.peak_blocks_saved_by_sharing, record.blocks_saved_by_sharing)
 
     def summary(self) -> dict:
         """Counters, peaks and latency percentiles (over the retained requests) as a plain dict."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("history", "requests", "timeline")}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("history", "requests", "steps")}
         records = list(self.requests.values())
         ttfts = sorted(r.ttft for r in records if r.ttft is not None)
         e2es = sorted(r.e2e_latency for r in records if r.e2e_latency is not None)
@@ -127,7 +132,7 @@ class EngineMetrics:
         import matplotlib.pyplot as plt
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.5))
-        timeline = list(self.timeline)
+        timeline = self.timeline
         start = timeline[0].end_time - timeline[0].time if timeline else 0.0
         xs = [s.step if x == "step" else s.end_time - start for s in timeline]
         ax.plot(xs, [s.gpu_blocks_used for s in timeline], label="GPU KV blocks used")

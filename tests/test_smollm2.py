@@ -142,9 +142,8 @@ def test_chat_prompt_gets_an_english_answer(prepared):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVLIB_CACHE_DIR", str(folder.parents[1]))
         llm = LLM("smollm2-135m", EngineConfig(block_size=16, num_gpu_blocks=32), verbose=False)
-    assert llm.engine.spec.block_bytes == 30 * 2 * 16 * 3 * 64 * 4  # layers, K and V, slots, kv heads, dim, float32
-    prompt = llm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    out = llm.generate([prompt], SamplingParams(max_tokens=32))[0]
+    assert llm.engine.runner.spec.block_bytes == 30 * 2 * 16 * 3 * 64 * 4  # layers, K and V, slots, kv heads, dim, float32
+    out = llm.chat("What is the capital of France?", SamplingParams(max_tokens=32))[0]
     assert out.finish_reason == "stop" and "Paris" in out.text
     words = out.text.split()
     assert len(words) >= 3 and all(w.strip(".,!").isalpha() for w in words), out.text
