@@ -158,7 +158,8 @@ class LLMEngine:
         self._swap(plan)
         if not plan.scheduled:
             raise RuntimeError(self._stall_message())
-        ids, positions, meta, rows = build_step_inputs(plan.scheduled, self.config.block_size, self.device)
+        ids, positions, meta, rows = build_step_inputs(plan.scheduled, self.config.block_size, self.device,
+                                                       self.model_config.sliding_window)
         forward_start = time.perf_counter()
         logits = self.model(ids, positions, self.gpu_pool, meta, self.backend, rows)
         self._account_recompute(plan, time.perf_counter() - forward_start)

@@ -7,7 +7,8 @@ from kvlib.attention.metadata import AttentionMetadata
 from kvlib.sequence import Sequence
 
 
-def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device):
+def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device,
+                      sliding_window: int | None = None):
     """Token ids, positions and attention metadata for packed sequences, plus the rows to sample.
 
     A sequence is sampled only when this step computes its last token: a chunk in the middle
@@ -34,6 +35,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, de
         query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
         max_query_len=max(n for _, n in scheduled),
         max_context_len=max(context_lens),
+        sliding_window=sliding_window,
     )
     return (torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device), meta,
