@@ -14,7 +14,9 @@ heads over 8 kv heads, head dim 128, fp16, blocks of 16 tokens in shuffled order
 Peak bandwidth comes from ``PEAK_BANDWIDTH_GBPS``, vendor figures matched against the device
 name. A device not in it gets no "% of peak" figure rather than a guessed one: add its entry.
 Every shape reads far more K/V than any L2 cache holds, and ``triton.testing.do_bench`` clears
-the L2 between runs anyway. Without CUDA there is nothing to measure and the list is empty.
+the L2 between runs anyway. Without CUDA there is nothing to measure and the list is empty. A GPU
+below compute capability 8.0 (a T4) is refused: the kernels target 8.0+, the engine serves such a
+GPU with the torch backend, and figures measured there would describe neither.
 """
 from __future__ import annotations
 
@@ -85,10 +87,28 @@ def decode_case(batch: int, context: int, device: torch.device | str) -> tuple[C
     return paged, sdpa, kv_bytes
 
 
+def below_kernel_capability(device: torch.device | str = "cuda") -> str | None:
+    """Why this GPU is refused (compute capability below 8.0), or None when the kernels target it."""
+    from kvlib.device import MIN_TRITON_CAPABILITY
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= MIN_TRITON_CAPABILITY:
+        return None
+    need = ".".join(map(str, MIN_TRITON_CAPABILITY))
+    return (f"{torch.cuda.get_device_name(device)} has compute capability {'.'.join(map(str, capability))}; "
+            f"kvlib's Triton kernels target {need}+ and the engine runs the torch backend on it, "
+            f"so there is no kernel to measure here")
+
+
 def run_kernel_bench() -> list[dict]:
-    """One row per (shape, implementation); empty where there is no CUDA device."""
+    """One row per (shape, implementation); empty where there is no CUDA device.
+
+    Raises RuntimeError on a GPU below compute capability 8.0.
+    """
     if not torch.cuda.is_available():
         return []
+    refused = below_kernel_capability()
+    if refused:
+        raise RuntimeError(refused)
     from triton.testing import do_bench
 
     from kvlib.kernels import choose_num_splits
@@ -128,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvlib.bench.report import format_table
     argparse.ArgumentParser(prog="kvlib bench kernels", description=__doc__.splitlines()[0]).parse_args(argv)
+    refused = torch.cuda.is_available() and below_kernel_capability()
+    if refused:
+        print(f"kvlib bench kernels: {refused}")
+        return 1
     rows = run_kernel_bench()
     if not rows:
         print("kvlib bench kernels: no CUDA GPU here, nothing to measure (the kernels' correctness is "
