@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlib.attention import torch_paged
+from kvlib.bench import kernels as bench_kernels
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend, gather_sequence_kv, paged_attention_reference
 
@@ -129,3 +130,18 @@ def test_copy_blocks_matches_indexing():
     torch.testing.assert_close(pool, expected, atol=0, rtol=0)
     with pytest.raises(ValueError, match="destination"):
         backend.copy_blocks(pool, [1, 2], [3])
+
+
+TINY_MODEL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=6, num_kv_heads=2,
+                  head_dim=16, max_position_embeddings=512)
+
+
+def test_cpu_decode_bench_compares_the_same_step():
+    """The bench times the torch backend against the reference: both must compute the same logits."""
+    model, pool, (token_ids, positions, meta, rows) = bench_kernels.torch_decode_case(TINY_MODEL, 4, (20, 40))
+    logits = [model(token_ids, positions, pool, meta, backend, rows)
+              for backend in (TorchAttentionBackend(), bench_kernels.ReferenceBackend())]
+    torch.testing.assert_close(logits[0], logits[1], **EXACT)
+    table = bench_kernels.run_torch_decode_bench(TINY_MODEL, batch=4, contexts=(20, 40), steps=1)
+    assert [row["attention"] for row in table] == ["torch backend", "paged_attention_reference"]
+    assert all(0 < row["attention ms/step"] < row["forward ms/step"] for row in table)
