@@ -55,7 +55,8 @@ def steps(draw, decode_only=False):
 def test_batched_decode_matches_reference(step):
     query, k_cache, v_cache, meta = make_step(**step)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
-    torch.testing.assert_close(torch_paged.paged_decode_batched(query, k_cache, v_cache, meta, SCALE), expected, **EXACT)
+    got = torch_paged.paged_decode_batched(query, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(got, expected, **EXACT)
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,6 +75,15 @@ def test_prefill_in_query_chunks_matches_reference(monkeypatch):
         expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
         torch.testing.assert_close(TorchAttentionBackend().forward(query, k_cache, v_cache, meta, SCALE), expected,
                                    **EXACT)
+
+
+def test_gathers_larger_than_the_scratch():
+    """A batch whose K/V outgrow the scratch buffers decodes in groups; a longer prompt gathers into a fresh tensor."""
+    query, k_cache, v_cache, meta = make_step([90, 33, 1, 130, 72], [1, 1, 1, 130, 1], 4, 2, window=50)
+    scratch = torch_paged.GatherScratch(max_elements=30 * 4 * KV_HEADS * HEAD_DIM)  # 30 blocks: 2 decodes, no prompt
+    expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(torch_paged.paged_attention_mixed(query, k_cache, v_cache, meta, SCALE, scratch),
+                               expected, **EXACT)
 
 
 def test_float16_cache():

@@ -9,11 +9,13 @@ written to be fast and must agree with it. Two habits make the difference:
 - No further copies: the matmuls read the gathered ``[..., tokens, kv_heads, head_dim]`` tensor
   through strided views, one kv head at a time, so grouped-query attention never repeats K/V.
 
-Prefill goes through ``scaled_dot_product_attention`` a chunk of queries at a time, so no step
-holds more than ``SCORE_BUDGET`` scores even where SDPA falls back to materializing them.
+Prefill goes through ``scaled_dot_product_attention`` a chunk of queries at a time, so a call
+holds at most ``SCORE_BUDGET`` scores (or one query's, if more) even where SDPA falls back to
+materializing them, never the ``[heads, L, L]`` of a whole prompt.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -163,9 +165,7 @@ def paged_attention_mixed(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                           meta: AttentionMetadata, scale: float, scratch: GatherScratch | None = None) -> torch.Tensor:
     """A step with prefills: its decode rows go through the batched decode together, the rest one sequence each."""
     query_lens, context_lens = meta.host_lengths
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(query_lens)]
     out = torch.empty_like(query)
     decoding = [i for i, n in enumerate(query_lens) if n == 1]
     if decoding:
@@ -173,7 +173,8 @@ def paged_attention_mixed(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         rows = torch.tensor([starts[i] for i in decoding], device=query.device)
         decode_meta = AttentionMetadata(
             slot_mapping=meta.slot_mapping[:0], block_tables=meta.block_tables[index],
-            context_lens=meta.context_lens[index], query_start=torch.arange(len(decoding) + 1, dtype=torch.int32),
+            context_lens=meta.context_lens[index],
+            query_start=torch.arange(len(decoding) + 1, dtype=torch.int32, device=index.device),
             max_query_len=1, max_context_len=max(context_lens[i] for i in decoding),
             sliding_window=meta.sliding_window)
         out[rows] = paged_decode_batched(query[rows], k_cache, v_cache, decode_meta, scale, scratch)
