@@ -22,7 +22,8 @@ from kvlib.sequence import Sequence
 CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_blocks is None
 
 
-def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device):
+def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device,
+                      sliding_window: int | None = None):
     """Token ids, positions and attention metadata for packed sequences, plus the rows to sample.
 
     A sequence is sampled only when this step computes its last token: a chunk in the middle
@@ -49,6 +50,7 @@ def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, de
         query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
         max_query_len=max(n for _, n in scheduled),
         max_context_len=max(context_lens),
+        sliding_window=sliding_window,
     )
     return (torch.tensor(token_ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device), meta,
@@ -104,7 +106,8 @@ class ModelRunner:
 
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Logits ``[sequences completing this step, vocab]``, in plan order."""
-        ids, positions, meta, rows = build_step_inputs(plan.scheduled, self.spec.block_size, self.device)
+        ids, positions, meta, rows = build_step_inputs(plan.scheduled, self.spec.block_size, self.device,
+                                                       self.model.config.sliding_window)
         return self.model(ids, positions, self.gpu_pool, meta, self.backend, rows)
 
     def sample(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[int]:

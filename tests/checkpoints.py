@@ -19,6 +19,9 @@ ARCHITECTURES = {
     # Mistral: GQA, no sliding window within these lengths
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
                                                             sliding_window=None, tie_word_embeddings=False)),
+    # Mistral with a sliding window far shorter than the prompts: each query sees its last 8 positions
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                                   sliding_window=8, tie_word_embeddings=False)),
 }
 
 

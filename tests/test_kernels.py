@@ -4,12 +4,14 @@ The kernels run in Triton's interpreter unless TRITON_INTERPRET=0 is set (do tha
 test the compiled kernels), so shapes stay small: 2 kv heads, head dim 32, up to 5 sequences of
 up to 100 tokens. Every attention case draws its own lengths, most ending mid-block, and shuffled
 block tables; the caches are always strided views of a 6-d pool, as the engine passes them.
+Sliding windows range from 1 position to longer than every context.
 """
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
 import itertools  # noqa: E402
+import math  # noqa: E402
 import types  # noqa: E402
 
 import pytest  # noqa: E402
@@ -26,6 +28,7 @@ from kvlib.attention.torch_backend import (  # noqa: E402
 )
 from kvlib.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvlib.cli.bench.kernels import decode_case, run_kernel_bench  # noqa: E402
+from kvlib.kernels import paged_prefill  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 KV_HEADS = 2
@@ -70,7 +73,7 @@ def make_block_tables(context_lens, block_size, seed=0):
     return tables.to(DEVICE), num_blocks
 
 
-def make_meta(context_lens, query_lens, block_tables, block_size):
+def make_meta(context_lens, query_lens, block_tables, block_size, window=None):
     """Metadata for one step; the slots are those of each sequence's last ``query_len`` positions."""
     starts = [0]
     slots = []
@@ -82,31 +85,32 @@ def make_meta(context_lens, query_lens, block_tables, block_size):
     return AttentionMetadata(
         slot_mapping=as_tensor(slots, torch.int64), block_tables=block_tables,
         context_lens=as_tensor(context_lens, torch.int32), query_start=as_tensor(starts, torch.int32),
-        max_query_len=max(query_lens), max_context_len=max(context_lens))
+        max_query_len=max(query_lens), max_context_len=max(context_lens), sliding_window=window)
 
 
 def randn(*shape, dtype=FP32, seed=1):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype=dtype, device=DEVICE)
 
 
-def check_decode(context_lens, block_size, group, dtype, head_dim=HEAD_DIM, num_splits=1):
+def check_decode(context_lens, block_size, group, dtype, head_dim=HEAD_DIM, num_splits=1, window=None):
     tables, num_blocks = make_block_tables(context_lens, block_size)
     _, k_cache, v_cache = make_pool(num_blocks, block_size, dtype, head_dim)
-    meta = make_meta(context_lens, [1] * len(context_lens), tables, block_size)
+    meta = make_meta(context_lens, [1] * len(context_lens), tables, block_size, window)
     query = randn(len(context_lens), KV_HEADS * group, head_dim, dtype=dtype)
     out = kernels.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, SCALE,
-                                         max_context_len=meta.max_context_len, num_splits=num_splits)
+                                         max_context_len=meta.max_context_len, num_splits=num_splits,
+                                         sliding_window=window)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
-def check_prefill(context_lens, query_lens, block_size, group, dtype):
+def check_prefill(context_lens, query_lens, block_size, group, dtype, window=None):
     tables, num_blocks = make_block_tables(context_lens, block_size)
     _, k_cache, v_cache = make_pool(num_blocks, block_size, dtype)
-    meta = make_meta(context_lens, query_lens, tables, block_size)
+    meta = make_meta(context_lens, query_lens, tables, block_size, window)
     query = randn(sum(query_lens), KV_HEADS * group, HEAD_DIM, dtype=dtype)
     out = kernels.paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                          meta.query_start, meta.max_query_len, SCALE)
+                                          meta.query_start, meta.max_query_len, SCALE, sliding_window=window)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -144,15 +148,31 @@ def test_split_decode_matches_reference(block_size, group, num_splits, dtype):
     check_decode(context_lens, block_size, group, dtype, num_splits=num_splits)
 
 
+WINDOW_GRID = [(16, 2, 1, 1), (16, 1, 8, 1), (4, 4, 13, 1), (32, 2, 64, 1), (16, 2, 200, 1),
+               (16, 2, 40, 3), (1, 4, 70, 4), (32, 1, 17, 2)]  # block size, GQA ratio, window, splits
+
+
+@pytest.mark.parametrize("block_size, group, window, num_splits", WINDOW_GRID,
+                         ids=[f"bs{b}-gqa{g}-window{w}-splits{n}" for b, g, w, n in WINDOW_GRID])
+def test_decode_sliding_window_matches_reference(block_size, group, window, num_splits):
+    context_lens = [100] + random_lengths(seed=200 + WINDOW_GRID.index((block_size, group, window, num_splits)))
+    check_decode(context_lens, block_size, group, FP32, num_splits=num_splits, window=window)
+
+
 def test_split_rule(monkeypatch):
+    """On a fake 132-SM device: splits until about PROGRAMS_PER_SM programs per SM, none under 256 tokens."""
     assert kernels.choose_num_splits(1, 8, 32768, torch.device("cpu")) == 1
     props = types.SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     cuda = torch.device("cuda")
-    assert kernels.choose_num_splits(1, 8, 32768, cuda) == 33  # 8 programs -> about 2 per SM
-    assert kernels.choose_num_splits(1, 8, 2048, cuda) == 4  # no split shorter than 512 tokens
+    assert kernels.choose_num_splits(1, 8, 32768, cuda) == 64  # 8 programs want 66 splits: capped at MAX_SPLITS
+    assert kernels.choose_num_splits(2, 8, 32768, cuda) == 33  # 16 programs x 33 = 528 = 4 per SM
+    assert kernels.choose_num_splits(1, 8, 2048, cuda) == 8  # no split shorter than 256 tokens
+    assert kernels.choose_num_splits(1, 8, 512, cuda) == 2  # short contexts split too, when the device is idle
     assert kernels.choose_num_splits(1, 8, 500, cuda) == 1
-    assert kernels.choose_num_splits(32, 8, 4096, cuda) == 1  # the plain grid already fills the device
+    assert kernels.choose_num_splits(32, 8, 4096, cuda) == 2  # 256 programs, about 2 per SM, become about 4
+    assert kernels.choose_num_splits(64, 8, 4096, cuda) == 1  # 512 programs already make about 4 per SM
+    assert kernels.choose_num_splits(256, 8, 1024, cuda) == 1
 
 
 def random_prefill_step(seed):
@@ -171,6 +191,47 @@ def random_prefill_step(seed):
 @pytest.mark.parametrize("block_size, group, dtype", GRID, ids=[case_id(*case) for case in GRID])
 def test_prefill_matches_reference(block_size, group, dtype):
     check_prefill(*random_prefill_step(seed=100 + GRID.index((block_size, group, dtype))), block_size, group, dtype)
+
+
+PREFILL_WINDOWS = [(16, 2, 1), (16, 1, 8), (4, 4, 13), (32, 2, 64), (16, 8, 200)]  # block size, GQA ratio, window
+
+
+@pytest.mark.parametrize("block_size, group, window", PREFILL_WINDOWS,
+                         ids=[f"bs{b}-gqa{g}-window{w}" for b, g, w in PREFILL_WINDOWS])
+def test_prefill_sliding_window_matches_reference(block_size, group, window):
+    context_lens, query_lens = random_prefill_step(seed=300 + PREFILL_WINDOWS.index((block_size, group, window)))
+    check_prefill([100, *context_lens], [100, *query_lens], block_size, group, FP32, window=window)
+
+
+def test_prefill_grid_follows_the_work(monkeypatch):
+    """64 decode rows beside one long chunk launch programs for the chunk's query blocks, plus one per sequence.
+
+    The grid used to be sequences x kv heads x (longest query / BLOCK_Q): here 65 x 2 x 64 programs,
+    all but a few hundred exiting at once. Nothing runs: the launch is recorded.
+    """
+    launches = []
+    monkeypatch.setattr(paged_prefill, "_paged_prefill_kernel", RecordingKernel(launches))
+    context_lens, query_lens = [4096] + [300] * 64, [4096] + [1] * 64
+    tables, num_blocks = make_block_tables(context_lens, 16)
+    meta = make_meta(context_lens, query_lens, tables, 16)
+    cache = torch.empty(num_blocks, 16, KV_HEADS, HEAD_DIM)
+    query = torch.empty(sum(query_lens), KV_HEADS, HEAD_DIM)
+    kernels.paged_prefill_attention(query, cache, cache, meta.block_tables, meta.context_lens, meta.query_start,
+                                    meta.max_query_len, SCALE)
+    (grid,) = launches
+    block_q = paged_prefill.BLOCK_M  # one query head per kv head: a program's rows are all tokens
+    needed = sum(-(-n // block_q) for n in query_lens) * KV_HEADS
+    assert needed <= math.prod(grid) <= needed + len(query_lens) * KV_HEADS
+
+
+class RecordingKernel:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` records the grid instead of launching."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append(grid)
 
 
 @pytest.mark.parametrize("context_lens, query_lens, block_size, group, dtype", [
@@ -252,6 +313,17 @@ def test_backend_copy_blocks():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_kernel_bench_is_empty_without_cuda():
     assert run_kernel_bench() == []
+
+
+def test_kernel_bench_refuses_gpus_below_sm80(monkeypatch, capsys):
+    from kvlib.cli.bench import kernels as bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    assert bench.main([]) == 1
+    assert "Tesla T4 has compute capability 7.5" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="8.0"):
+        run_kernel_bench()
 
 
 def test_kernel_bench_baseline_computes_the_same_attention():

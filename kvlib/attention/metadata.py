@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Optional
 
 import torch
 
@@ -12,7 +14,9 @@ class AttentionMetadata:
 
     Those rows are the last ``query_len`` positions of a sequence that is ``context_lens[i]`` tokens
     long once this step's K/V are stored, so row ``r`` of sequence ``i`` sits at position
-    ``context_lens[i] - query_len + r`` and attends causally to positions ``0 .. that position``.
+    ``p = context_lens[i] - query_len + r`` and attends causally to positions ``0 .. p``; with a
+    ``sliding_window`` of ``w`` only to the last ``w`` of them, ``max(0, p - w + 1) .. p``
+    (Mistral's convention, as transformers implements it).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot for each new token's K/V, -1 to skip
@@ -21,6 +25,11 @@ class AttentionMetadata:
     query_start: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_context_len: int
+    sliding_window: Optional[int] = None  # None: full causal attention
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or at least 1, got {self.sliding_window}")
 
     @property
     def num_seqs(self) -> int:
@@ -29,3 +38,9 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @cached_property
+    def host_lengths(self) -> tuple[list[int], list[int]]:
+        """``(query_lens, context_lens)`` as Python lists, read from the device once per step, not per layer."""
+        starts = self.query_start.tolist()
+        return [b - a for a, b in zip(starts, starts[1:])], self.context_lens.tolist()

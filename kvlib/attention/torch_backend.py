@@ -1,13 +1,17 @@
-"""Paged attention in plain torch: the reference every kernel is tested against.
+"""Paged attention in plain torch: the reference every kernel is tested against, and the torch backend.
 
-It gathers each sequence's K/V through its block table into a contiguous tensor and runs
-ordinary causal attention, so it is easy to read and check, not fast.
+The reference gathers each sequence's K/V through its block table into a contiguous tensor and
+runs ordinary causal attention, so it is easy to read and check, not fast. The backend runs the
+fast versions in ``torch_paged``, which are tested against it.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from kvlib.attention.metadata import AttentionMetadata
+from kvlib.attention.torch_paged import GatherScratch, paged_attention_mixed, paged_decode_batched
 
 
 def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -31,7 +35,10 @@ def gather_sequence_kv(cache: torch.Tensor, block_table: torch.Tensor, length: i
 
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of packed queries ``[num_tokens, heads, head_dim]`` over the paged cache."""
+    """Causal attention of packed queries ``[num_tokens, heads, head_dim]`` over the paged cache.
+
+    With ``meta.sliding_window`` set, the query at position ``p`` sees positions ``p - window + 1 .. p``.
+    """
     out = torch.empty_like(query)
     group = query.shape[1] // k_cache.shape[2]
     starts = meta.query_start.tolist()
@@ -44,29 +51,13 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         positions = torch.arange(context_len - query_len, context_len, device=q.device)
-        future = torch.arange(context_len, device=q.device)[None, :] > positions[:, None]
-        scores.masked_fill_(future[None], float("-inf"))
+        keys = torch.arange(context_len, device=q.device)[None, :]
+        hidden = keys > positions[:, None]
+        if meta.sliding_window is not None:
+            hidden |= keys <= positions[:, None] - meta.sliding_window
+        scores.masked_fill_(hidden[None], float("-inf"))
         out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(query.dtype)
     return out
-
-
-def paged_decode_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decode (one query per sequence) for the whole batch at once: one gather, one masked softmax."""
-    num_seqs, heads, head_dim = query.shape
-    kv_heads = k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    max_blocks = -(-meta.max_context_len // block_size)
-    tables = meta.block_tables[:, :max_blocks].long()
-    k = k_cache[tables].reshape(num_seqs, -1, kv_heads, head_dim).float()
-    v = v_cache[tables].reshape(num_seqs, -1, kv_heads, head_dim).float()
-    q = query.float().view(num_seqs, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.einsum("bhgd,bkhd->bhgk", q, k) * scale
-    positions = torch.arange(k.shape[1], device=query.device)
-    padding = positions[None, :] >= meta.context_lens[:, None].to(query.device)
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    out = torch.einsum("bhgk,bkhd->bhgd", scores.softmax(dim=-1), v)
-    return out.reshape(num_seqs, heads, head_dim).to(query.dtype)
 
 
 class TorchAttentionBackend:
@@ -74,16 +65,26 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def __init__(self) -> None:
+        self.scratch = GatherScratch()
+
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:
-            return paged_decode_batched(query, k_cache, v_cache, meta, scale)
-        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+            return paged_decode_batched(query, k_cache, v_cache, meta, scale, self.scratch)
+        return paged_attention_mixed(query, k_cache, v_cache, meta, scale, self.scratch)
 
-    def copy_blocks(self, pool_data: torch.Tensor, src_ids, dst_ids) -> None:
-        """Copy-on-write: blocks ``src_ids`` onto ``dst_ids`` of one pool, all layers, K and V."""
-        src = torch.as_tensor(src_ids, dtype=torch.long, device=pool_data.device)
-        dst = torch.as_tensor(dst_ids, dtype=torch.long, device=pool_data.device)
+    def copy_blocks(self, pool_data: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy-on-write: block ``src_ids[i]`` onto ``dst_ids[i]`` of one pool (first dim: blocks), in one copy.
+
+        No destination may also be a source or appear twice, so the order of the copies cannot matter.
+        """
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+        if len(src_ids) == 0:
+            return
+        src = torch.as_tensor(src_ids, dtype=torch.int64, device=pool_data.device)
+        dst = torch.as_tensor(dst_ids, dtype=torch.int64, device=pool_data.device)
         pool_data.index_copy_(0, dst, pool_data.index_select(0, src))

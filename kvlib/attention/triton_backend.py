@@ -28,9 +28,11 @@ class TritonAttentionBackend:
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:
             return kernels.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                  scale, max_context_len=meta.max_context_len)
+                                                  scale, max_context_len=meta.max_context_len,
+                                                  sliding_window=meta.sliding_window)
         return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                               meta.query_start, meta.max_query_len, scale)
+                                               meta.query_start, meta.max_query_len, scale,
+                                               sliding_window=meta.sliding_window)
 
     def copy_blocks(self, pool_data: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy-on-write: blocks ``src_ids`` onto ``dst_ids`` of one pool, all layers, K and V, one launch."""

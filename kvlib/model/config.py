@@ -40,6 +40,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: Optional[int] = None
     model_type: str = "llama"
+    sliding_window: Optional[int] = None  # Mistral: each query sees only the last this-many positions
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -74,6 +75,7 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             bos_token_id=raw.get("bos_token_id"),
             model_type=model_type,
+            sliding_window=raw.get("sliding_window") if model_type == "mistral" else None,
         )
 
     @classmethod

@@ -14,14 +14,28 @@ heads over 8 kv heads, head dim 128, fp16, blocks of 16 tokens in shuffled order
 Peak bandwidth comes from ``PEAK_BANDWIDTH_GBPS``, vendor figures matched against the device
 name. A device not in it gets no "% of peak" figure rather than a guessed one: add its entry.
 Every shape reads far more K/V than any L2 cache holds, and ``triton.testing.do_bench`` clears
-the L2 between runs anyway. Without CUDA there is nothing to measure and the list is empty.
+the L2 between runs anyway. A GPU below compute capability 8.0 (a T4) is refused: the kernels
+target 8.0+, the engine serves such a GPU with the torch backend, and figures measured there
+would describe neither.
+
+Without CUDA it measures what serves a CPU instead, the torch backend: decode steps of a
+random model with SmolLM2-135M's shape (``SMOLLM2_SHAPE``; 30 layers, 9 query heads over 3 kv
+heads, head dim 64) for 32 sequences of 280 to 320 tokens in shuffled blocks of 16, in float32.
+It reports the milliseconds per step spent in attention and in the whole forward, for
+``TorchAttentionBackend`` and, side by side, for a backend running ``paged_attention_reference``.
+Run it with ``OMP_NUM_THREADS=1`` for figures that do not depend on the machine's core count.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kvlib.attention.metadata import AttentionMetadata
+from kvlib.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
 
 SHAPES = [(1, 32768), (32, 4096), (256, 1024)]  # (batch, context)
 SPLIT_SHAPE = (1, 32768)
@@ -85,10 +99,28 @@ def decode_case(batch: int, context: int, device: torch.device | str) -> tuple[C
     return paged, sdpa, kv_bytes
 
 
+def below_kernel_capability(device: torch.device | str = "cuda") -> str | None:
+    """Why this GPU is refused (compute capability below 8.0), or None when the kernels target it."""
+    from kvlib.device import MIN_TRITON_CAPABILITY
+    capability = torch.cuda.get_device_capability(device)
+    if capability >= MIN_TRITON_CAPABILITY:
+        return None
+    need = ".".join(map(str, MIN_TRITON_CAPABILITY))
+    return (f"{torch.cuda.get_device_name(device)} has compute capability {'.'.join(map(str, capability))}; "
+            f"kvlib's Triton kernels target {need}+ and the engine runs the torch backend on it, "
+            f"so there is no kernel to measure here")
+
+
 def run_kernel_bench() -> list[dict]:
-    """One row per (shape, implementation); empty where there is no CUDA device."""
+    """One row per (shape, implementation); empty where there is no CUDA device.
+
+    Raises RuntimeError on a GPU below compute capability 8.0.
+    """
     if not torch.cuda.is_available():
         return []
+    refused = below_kernel_capability()
+    if refused:
+        raise RuntimeError(refused)
     from triton.testing import do_bench
 
     from kvlib.kernels import choose_num_splits
@@ -123,15 +155,102 @@ def run_kernel_bench() -> list[dict]:
     return rows
 
 
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                     num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+CPU_BATCH = 32
+CPU_CONTEXTS = (280, 320)  # each sequence's context length is drawn from this range
+
+
+class TimedBackend:
+    """Wraps a backend and adds up the seconds its ``forward`` (attention) takes."""
+
+    def __init__(self, backend, name: str):
+        self.backend, self.name, self.seconds = backend, name, 0.0
+
+    def store_kv(self, *args) -> None:
+        self.backend.store_kv(*args)
+
+    def forward(self, *args) -> torch.Tensor:
+        start = time.perf_counter()
+        out = self.backend.forward(*args)
+        self.seconds += time.perf_counter() - start
+        return out
+
+
+class ReferenceBackend(TorchAttentionBackend):
+    """The torch backend with ``paged_attention_reference`` for every step: the baseline."""
+
+    def forward(self, query, k_cache, v_cache, meta, scale):
+        return paged_attention_reference(query, k_cache, v_cache, meta, scale)
+
+
+def torch_decode_case(shape: dict, batch: int, contexts: tuple[int, int], block_size: int = 16, seed: int = 0):
+    """A random model, a pool of random K/V and one decode step's inputs: ``(model, pool, inputs)``."""
+    from kvlib.kv_cache import KVCachePool, KVCacheSpec
+    from kvlib.model.config import ModelConfig
+    from kvlib.model.llama import LlamaForCausalLM
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    config = ModelConfig(**shape)
+    model = LlamaForCausalLM(config).eval()
+    context_lens = torch.randint(contexts[0], contexts[1] + 1, (batch,), generator=gen).tolist()
+    needed = [-(-n // block_size) for n in context_lens]
+    pool = KVCachePool(KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size,
+                                   torch.float32), sum(needed), "cpu")
+    pool.data.normal_(generator=gen)
+    ids = torch.randperm(sum(needed), generator=gen).tolist()
+    tables = torch.zeros(batch, max(needed), dtype=torch.int32)
+    for i, count in enumerate(needed):
+        tables[i, :count] = torch.tensor(ids[:count])
+        ids = ids[count:]
+    last = [n - 1 for n in context_lens]
+    slots = [int(tables[i, p // block_size]) * block_size + p % block_size for i, p in enumerate(last)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=tables,
+                             context_lens=torch.tensor(context_lens, dtype=torch.int32),
+                             query_start=torch.arange(batch + 1, dtype=torch.int32), max_query_len=1,
+                             max_context_len=max(context_lens))
+    inputs = (torch.randint(0, config.vocab_size, (batch,), generator=gen), torch.tensor(last), meta,
+              torch.arange(batch))
+    return model, pool, inputs
+
+
+def run_torch_decode_bench(shape: dict = SMOLLM2_SHAPE, batch: int = CPU_BATCH,
+                           contexts: tuple[int, int] = CPU_CONTEXTS, steps: int = 8) -> list[dict]:
+    """Median ms per decode step, attention and whole forward, per backend; both run in turns, side by side."""
+    model, pool, (token_ids, positions, meta, rows) = torch_decode_case(shape, batch, contexts)
+    backends = [TimedBackend(TorchAttentionBackend(), "torch backend"),
+                TimedBackend(ReferenceBackend(), "paged_attention_reference")]
+    times: dict[str, list[tuple[float, float]]] = {b.name: [] for b in backends}
+    for step in range(steps + 1):  # the first round warms up and is not counted
+        for backend in backends:
+            backend.seconds = 0.0
+            start = time.perf_counter()
+            model(token_ids, positions, pool, meta, backend, rows)
+            if step:
+                times[backend.name].append((backend.seconds, time.perf_counter() - start))
+    return [{"attention": name, "attention ms/step": 1e3 * statistics.median(a for a, _ in runs),
+             "forward ms/step": 1e3 * statistics.median(f for _, f in runs),
+             "attention share %": 100 * statistics.median(a / f for a, f in runs)} for name, runs in times.items()]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from kvlib.cli.bench.report import format_table
     argparse.ArgumentParser(prog="kvlib bench kernels", description=__doc__.splitlines()[0]).parse_args(argv)
+    refused = torch.cuda.is_available() and below_kernel_capability()
+    if refused:
+        print(f"kvlib bench kernels: {refused}")
+        return 1
     rows = run_kernel_bench()
     if not rows:
-        print("kvlib bench kernels: no CUDA GPU here, nothing to measure (the kernels' correctness is "
-              "tested on the CPU under the Triton interpreter: pytest tests/test_kernels.py)")
+        print("kvlib bench kernels: no CUDA GPU here, so no kernel to time (their correctness is tested on the "
+              "CPU under the Triton interpreter: pytest tests/test_kernels.py); timing the torch backend instead")
+        title = (f"torch backend decode, SmolLM2-135M's shape with random weights, {CPU_BATCH} sequences of "
+                 f"{CPU_CONTEXTS[0]}-{CPU_CONTEXTS[1]} tokens, blocks of 16, float32, {torch.get_num_threads()} "
+                 f"thread(s)")
+        print(format_table(run_torch_decode_bench(), title))
         return 0
     print(format_table(rows, f"paged decode attention on {torch.cuda.get_device_name()}"))
     return 0

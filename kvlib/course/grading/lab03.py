@@ -166,6 +166,7 @@ class LearnerDecodeBackend(TorchAttentionBackend):
     name = "lab03"
 
     def __init__(self, decode: Decode):
+        super().__init__()
         self.decode = decode
         self.num_decode_calls = 0
 

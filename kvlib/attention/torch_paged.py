@@ -1,0 +1,186 @@
+"""Paged attention in torch that keeps up with a real model on a CPU.
+
+The reference (``torch_backend.paged_attention_reference``) is written to be read; these are
+written to be fast and must agree with it. Two habits make the difference:
+
+- K/V are copied out of the pool once, as whole blocks of one layer (each block's layer slice is
+  one contiguous run, so ``index_select`` moves it with a plain memory copy), and only the blocks
+  a query can see: with a sliding window, the window's blocks, not the whole context.
+- No further copies: the matmuls read the gathered ``[..., tokens, kv_heads, head_dim]`` tensor
+  through strided views, one kv head at a time, so grouped-query attention never repeats K/V.
+
+Prefill goes through ``scaled_dot_product_attention`` a chunk of queries at a time, so a call
+holds at most ``SCORE_BUDGET`` scores (or one query's, if more) even where SDPA falls back to
+materializing them, never the ``[heads, L, L]`` of a whole prompt.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvlib.attention.metadata import AttentionMetadata
+
+MAX_QUERY_CHUNK = 256  # query tokens per SDPA call at most
+SCORE_BUDGET = 1 << 24  # scores per SDPA call at most (64 MiB in float32): fewer queries when keys are many
+SCRATCH_ELEMENTS = 1 << 22  # elements of each reused gather buffer (16 MiB in float32)
+
+
+class GatherScratch:
+    """Reused destinations for the per-layer K/V gathers, so the pool's blocks land in memory already mapped.
+
+    A fresh multi-MiB tensor is fresh pages: on a CPU, faulting in an 8 MiB gather costs 5-10 ms,
+    several times the copy itself, in every layer of every step. Each named buffer grows to the
+    largest request seen, at most ``max_elements``; a larger request gets a fresh tensor.
+    """
+
+    def __init__(self, max_elements: int = SCRATCH_ELEMENTS):
+        self.max_elements = max_elements
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def tensor(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        if numel > self.max_elements:
+            return torch.empty(shape, dtype=like.dtype, device=like.device)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = self.buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(shape)
+
+
+def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scratch: GatherScratch | None = None,
+                name: str = "") -> torch.Tensor:
+    """Blocks ``block_ids`` ``[n]`` of one layer's cache, copied into ``[n, block_size, kv_heads, head_dim]``.
+
+    The copy lands in ``scratch``'s buffer ``name`` when given (valid until that buffer's next use).
+    """
+    shape = (block_ids.shape[0], *cache.shape[1:])
+    out = torch.empty(shape, dtype=cache.dtype, device=cache.device) if scratch is None else (
+        scratch.tensor(name, shape, cache))
+    if cache[0].is_contiguous():  # the pool's layout: each block is one run of memory
+        torch.index_select(cache.flatten(1), 0, block_ids, out=out.view(shape[0], -1))
+    else:
+        torch.index_select(cache, 0, block_ids, out=out)
+    return out
+
+
+def paged_decode_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, scratch: GatherScratch | None = None) -> torch.Tensor:
+    """Decode (one query per sequence) for the whole batch at once: one gather, one masked softmax.
+
+    Each sequence reads ``num_cols`` consecutive columns of its block table, starting at the block
+    that holds the first position it can see (0 without a window); positions outside ``first ..
+    context_len-1`` are masked, including the table's padding. With ``scratch``, sequences go in
+    groups whose K/V fit its buffers.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    device = query.device
+    context_lens = meta.context_lens.to(device=device, dtype=torch.long)
+    num_cols = -(-meta.max_context_len // block_size)
+    first = torch.zeros_like(context_lens)
+    if meta.sliding_window is not None:
+        num_cols = min(num_cols, -(-(meta.sliding_window - 1) // block_size) + 1)
+        first = (context_lens - meta.sliding_window).clamp(min=0)
+    cols = first[:, None] // block_size + torch.arange(num_cols, device=device)  # [num_seqs, num_cols]
+    tables = meta.block_tables.to(device)
+    block_ids = tables.gather(1, cols.clamp(max=tables.shape[1] - 1)).long()
+    positions = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+    hidden = (positions < first[:, None]) | (positions >= context_lens[:, None])  # [num_seqs, tokens]
+
+    out = torch.empty_like(query)
+    per_group = num_seqs if scratch is None else max(1, scratch.max_elements // (num_cols * k_cache[0].numel()))
+    for s in range(0, num_seqs, per_group):
+        ids = block_ids[s:s + per_group].flatten()
+        n = min(per_group, num_seqs - s)
+        keys = read_blocks(k_cache, ids, scratch, "k").view(n, -1, kv_heads, head_dim).float()  # [n, tokens, kv, d]
+        values = read_blocks(v_cache, ids, scratch, "v").view(n, -1, kv_heads, head_dim).float()
+        out[s:s + n] = _attend_decode(query[s:s + n], keys, values, hidden[s:s + n], scale)
+    return out
+
+
+def _attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``query`` ``[seqs, heads, d]`` over gathered ``keys``/``values`` ``[seqs, tokens, kv_heads, d]``.
+
+    One kv head at a time, through strided views of the gathered tensors: no further copies, and
+    the kv head's whole query group is one matmul.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    kv_heads = keys.shape[2]
+    q = query.float().view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2)) for h in range(kv_heads)], dim=1)
+    scores = (scores * scale).masked_fill_(hidden[:, None, None, :], float("-inf"))  # [seqs, kv, group, tokens]
+    probs = scores.softmax(dim=-1)
+    out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(kv_heads)], dim=1)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_sequence(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, context_len: int, scale: float,
+                           sliding_window: int | None = None, scratch: GatherScratch | None = None) -> torch.Tensor:
+    """One sequence's last ``query_len`` positions ``[query_len, heads, head_dim]``, a chunk of queries at a time.
+
+    The query group of each kv head is folded into SDPA's query axis (``[kv_heads, group x chunk,
+    head_dim]``), so SDPA sees as many heads as K/V have and K/V are never repeated.
+    """
+    query_len, num_heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = num_heads // kv_heads
+    device = query.device
+    first_query = context_len - query_len
+    first_key = 0 if sliding_window is None else max(0, first_query - sliding_window + 1)
+    first_block = first_key // block_size
+    block_ids = block_table[first_block:-(-context_len // block_size)].to(device).long()
+    skip = first_key - first_block * block_size  # positions of the first block before the first key
+    keys = read_blocks(k_cache, block_ids, scratch, "k").flatten(0, 1)[skip:context_len - first_block * block_size]
+    values = read_blocks(v_cache, block_ids, scratch, "v").flatten(0, 1)[skip:context_len - first_block * block_size]
+    keys, values = keys.transpose(0, 1).float(), values.transpose(0, 1).float()  # [kv_heads, keys, head_dim]
+    key_pos = first_key + torch.arange(keys.shape[1], device=device)
+
+    out = torch.empty_like(query)
+    chunk = max(1, min(MAX_QUERY_CHUNK, SCORE_BUDGET // (num_heads * keys.shape[1])))
+    for start in range(0, query_len, chunk):
+        rows = query[start:start + chunk].float()
+        n = rows.shape[0]
+        q_pos = first_query + start + torch.arange(n, device=device)
+        # The chunk sees keys from its first query's window start to its last query: slice just those.
+        begin = 0 if sliding_window is None else max(0, first_query + start - sliding_window + 1) - first_key
+        end = first_query + start + n - first_key
+        pos = key_pos[begin:end]
+        visible = pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= pos[None, :] > q_pos[:, None] - sliding_window
+        folded = rows.view(n, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n, head_dim)
+        attended = F.scaled_dot_product_attention(folded[None], keys[None, :, begin:end], values[None, :, begin:end],
+                                                  attn_mask=visible.repeat(group, 1), scale=scale)
+        out[start:start + n] = attended.view(kv_heads, group, n, head_dim).permute(2, 0, 1, 3).reshape(
+            n, num_heads, head_dim).to(query.dtype)
+    return out
+
+
+def paged_attention_mixed(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float, scratch: GatherScratch | None = None) -> torch.Tensor:
+    """A step with prefills: its decode rows go through the batched decode together, the rest one sequence each."""
+    query_lens, context_lens = meta.host_lengths
+    starts = [0, *itertools.accumulate(query_lens)]
+    out = torch.empty_like(query)
+    decoding = [i for i, n in enumerate(query_lens) if n == 1]
+    if decoding:
+        index = torch.tensor(decoding, device=meta.block_tables.device)
+        rows = torch.tensor([starts[i] for i in decoding], device=query.device)
+        decode_meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[:0], block_tables=meta.block_tables[index],
+            context_lens=meta.context_lens[index],
+            query_start=torch.arange(len(decoding) + 1, dtype=torch.int32, device=index.device),
+            max_query_len=1, max_context_len=max(context_lens[i] for i in decoding),
+            sliding_window=meta.sliding_window)
+        out[rows] = paged_decode_batched(query[rows], k_cache, v_cache, decode_meta, scale, scratch)
+    for i, n in enumerate(query_lens):
+        if n > 1:
+            out[starts[i]:starts[i + 1]] = paged_prefill_sequence(
+                query[starts[i]:starts[i + 1]], k_cache, v_cache, meta.block_tables[i], context_lens[i], scale,
+                meta.sliding_window, scratch)
+    return out
