@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,8 +24,14 @@ def _require(condition: bool, message: str) -> None:
 
 
 def is_integer(value) -> bool:
-    """An integer of any kind (Python, numpy, torch scalar) but not a bool, which Python counts as one."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An integer of any kind (Python, numpy, a one-element torch tensor) but not a bool, which Python counts as one."""
+    if type(value).__name__ in ("bool", "bool_"):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_number(value) -> bool:
@@ -122,7 +129,7 @@ class SamplingParams:
         _flag("ignore_eos", self.ignore_eos)
         self.max_tokens, self.n = int(self.max_tokens), int(self.n)
         self.seed = None if self.seed is None else int(self.seed)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids]
 
     @property
     def greedy(self) -> bool:

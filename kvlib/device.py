@@ -7,6 +7,7 @@ On a machine without a usable GPU, Triton kernels can still run under the Triton
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +18,21 @@ MIN_TRITON_CAPABILITY = (8, 0)
 
 
 def enable_triton_interpreter_without_gpu() -> None:
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    """Without a GPU, Triton kernels run under the interpreter, which Triton reads when it is imported.
+
+    If something imported Triton before kvlib (transformers does), Triton's own library functions
+    were built for compilation and fail inside an interpreted kernel; Triton's Python modules are
+    then imported again (its compiled core stays), so the copy kvlib uses runs interpreted. A
+    ``TRITON_INTERPRET`` set by the user is left alone.
+    """
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "1") != "1":
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    language = sys.modules.get("triton.language")
+    library_function = getattr(getattr(language, "standard", None), "sum", None)
+    if library_function is not None and type(library_function).__name__ != "InterpretedFunction":
+        for name in [m for m in sys.modules if m.split(".")[0] == "triton" and not m.startswith("triton._C")]:
+            del sys.modules[name]
 
 
 def resolve_device(requested: str = "auto") -> torch.device:

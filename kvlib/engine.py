@@ -7,6 +7,7 @@ record the step.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -146,7 +147,7 @@ class LLMEngine:
             bad = not_integers[0]
             return [], (f"token ids must be integers, got {type(bad).__name__} {bad!r}; "
                         f"encode text with this model's tokenizer (or pass the prompt as a string)")
-        token_ids = [int(t) for t in token_ids]
+        token_ids = [operator.index(t) for t in token_ids]
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

@@ -1,7 +1,11 @@
 """The engine half of a graded check: serve requests step by step, checking bookkeeping after each step."""
 from __future__ import annotations
 
+import itertools
+
 from kvlib.course.grading.checks import CheckFailed
+
+_ids = itertools.count()  # request ids unique across calls on one engine
 
 
 def serve_checked(llm, prompts: list, params, max_steps: int) -> list:
@@ -13,8 +17,9 @@ def serve_checked(llm, prompts: list, params, max_steps: int) -> list:
     from kvlib.invariants import InvariantError, check_invariants
 
     per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
-        llm.engine.add_request(f"r{i}", prompt, p)
+    ids = [f"checked-{next(_ids)}" for _ in prompts]
+    for request_id, prompt, p in zip(ids, prompts, per_prompt):
+        llm.engine.add_request(request_id, prompt, p)
     finished = {}
     for step in range(max_steps):
         if not llm.engine.has_unfinished_requests():
@@ -26,4 +31,4 @@ def serve_checked(llm, prompts: list, params, max_steps: int) -> list:
             raise CheckFailed(f"after engine step {step + 1}: {exc}") from exc
     else:
         raise CheckFailed(f"requests were still unfinished after {max_steps} engine steps")
-    return [finished[f"r{i}"] for i in range(len(prompts))]
+    return [finished[request_id] for request_id in ids]
