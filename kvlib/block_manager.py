@@ -90,6 +90,14 @@ class BlockManager:
 
     # ---- capacity ------------------------------------------------------------------------------
     @property
+    def num_device_blocks(self) -> int:
+        return self.gpu.num_blocks
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.cpu.num_free
+
+    @property
     def num_free_blocks(self) -> int:
         """Device blocks that can be handed out now: free ones, plus cached ones nobody uses."""
         return self.gpu.num_free + (self.cache.num_evictable if self.cache is not None else 0)

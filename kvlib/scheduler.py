@@ -110,7 +110,7 @@ class Scheduler:
 
     def why_never(self, seq: Sequence) -> Optional[str]:
         """Why ``seq`` could never run in this pool, or None if it can."""
-        bs, total, watermark = self.block_size, self.bm.gpu.num_blocks, self.bm.watermark_blocks
+        bs, total, watermark = self.block_size, self.bm.num_device_blocks, self.bm.watermark_blocks
         prompt_blocks = blocks_for(len(seq.prompt_token_ids), bs)
         full_blocks = blocks_for(len(seq.prompt_token_ids) + seq.params.max_tokens, bs)
         if prompt_blocks > total - watermark:
@@ -243,7 +243,7 @@ class Scheduler:
             kept = len(seq.block_table) - count
             context = PreemptionContext(
                 num_blocks=count, num_tokens=seq.num_computed_tokens - min(seq.num_computed_tokens, kept * self.block_size),
-                num_host_blocks=host_needed, block_bytes=self.block_bytes, host_free_blocks=self.bm.cpu.num_free,
+                num_host_blocks=host_needed, block_bytes=self.block_bytes, host_free_blocks=self.bm.num_free_host_blocks,
                 cost_model=self.cost_model)
             mode = self.policy.choose_mode(victim, context)
             if mode not in PREEMPTION_MODES:

@@ -44,10 +44,6 @@ class Tokenizer:
         special = {key: _token_text(config[key]) for key in SPECIAL_TOKEN_KEYS if config.get(key)}
         return cls(path, template, special, source)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 

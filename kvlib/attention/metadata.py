@@ -32,10 +32,6 @@ class AttentionMetadata:
             raise ValueError(f"sliding_window must be None or at least 1, got {self.sliding_window}")
 
     @property
-    def num_seqs(self) -> int:
-        return self.context_lens.shape[0]
-
-    @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 

@@ -16,7 +16,7 @@ from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.record import TaskResult
 from kvlib.course.grading.serving import serve_checked
-from kvlib.preemption import LatestArrivalPolicy, VictimCandidate
+from kvlib.preemption import LatestArrivalPolicy, SparingPolicy, VictimCandidate
 from kvlib.sequence import Sequence
 
 select_victim = Task("select_victim")
@@ -32,14 +32,7 @@ def check_engine(policy_cls) -> TaskResult:
     return engine.grade(policy_cls)
 
 
-class ReferencePolicy(LatestArrivalPolicy):
-    """The rule the lab asks for; the engine checks hold the learner's policy to its cost."""
-
-    def select_victim(self, candidates: list[VictimCandidate], shortfall: int) -> VictimCandidate:
-        requester = next(c for c in candidates if c.is_requester)
-        givers = [c for c in candidates if c is not requester and c.num_unique_tail_blocks > 0]
-        covering = [c for c in givers if c.num_unique_tail_blocks >= shortfall]
-        return (covering or givers or [requester])[-1]
+ReferencePolicy = SparingPolicy  # the rule the lab asks for; the engine checks hold the learner's policy to its cost
 
 
 # ---- select_victim -----------------------------------------------------------------------------

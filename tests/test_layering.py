@@ -1,0 +1,40 @@
+"""The engine reads in one direction and imports nothing from the course tooling or the commands."""
+import ast
+from pathlib import Path
+
+import kvlib
+
+PACKAGE = Path(kvlib.__file__).parent
+OUTSIDE_THE_ENGINE = ("kvlib.course", "kvlib.cli")
+
+
+def imports_of(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def engine_modules() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in ("course", "cli")]
+
+
+def test_the_engine_imports_nothing_from_the_course_or_the_commands():
+    offenders = {str(p.relative_to(PACKAGE)): sorted(n for n in imports_of(p) if n.startswith(OUTSIDE_THE_ENGINE))
+                 for p in engine_modules()}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_scheduler_never_touches_an_allocator():
+    """Policy asks, mechanism answers: reference counts are the block manager's business."""
+    source = (PACKAGE / "scheduler.py").read_text()
+    for mechanism in (".gpu.", ".cpu.", "ref_count", "allocate(", ".fork(", "make_writable"):
+        assert mechanism not in source.replace("self.bm.fork(", ""), mechanism
+
+
+def test_every_engine_file_is_small_enough_to_hold_in_your_head():
+    sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in engine_modules()}
+    assert {name: n for name, n in sizes.items() if n > 400} == {}
