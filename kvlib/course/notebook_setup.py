@@ -24,7 +24,19 @@ from kvlib.course.notebook_setup import setup; setup()"""
 
 
 def setup() -> None:
-    """Print the device and attention backend that ``device="auto"`` will use, and which kvlib loaded."""
+    """Print the device and attention backend that ``device="auto"`` will use, and which kvlib loaded.
+
+    In a notebook it also notes when each cell runs, so ``grade_here()`` can warn that cells ran
+    after the file was last saved (the grader reads the saved file).
+    """
     device = resolve_device("auto")
     backend = choose_attention_backend("auto", device)
     print(f"{backend.describe(device)}; kvlib {kvlib.__version__} from {Path(kvlib.__file__).parent}")
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None:
+        from kvlib.course.grading.runner import mark_cell_run
+        shell.events.register("post_run_cell", lambda result: mark_cell_run())

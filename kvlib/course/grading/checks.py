@@ -1,16 +1,22 @@
 """Graded tasks made of named checks, each worth points, each run on the learner's piece.
 
 A check is a function that raises :class:`CheckFailed` (through :func:`expect`) with a message
-saying what went wrong. Grading never lets an exception escape: a stub's NotImplementedError
-scores zero as "not implemented" and any other error fails that check only, so one unfinished
-task does not stop the notebook or the tasks after it.
+saying what went wrong. Running a check never lets an exception escape: a stub's
+NotImplementedError scores zero as "not implemented" and any other error fails that check only,
+with the line of the learner's code that raised, so one unfinished task does not stop the
+others. Inside a notebook, ``Task.grade`` gives feedback; the grade itself is computed by
+``kvlib grade``, in a process the notebook never controls.
 """
 from __future__ import annotations
 
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvlib.course.grading.record import FAIL, NOT_IMPLEMENTED, NOT_RUN, PASS, CheckResult, TaskResult, record
+from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED, PASS, CheckResult, TaskResult
+
+DEFAULT_LIMIT_S = 120.0  # seconds a check may run before the grader stops it
 
 
 class CheckFailed(AssertionError):
@@ -41,45 +47,62 @@ class Check:
     points: int
     hint: str
     run: Callable[[Any], None]
+    limit_s: float = DEFAULT_LIMIT_S
 
 
 @dataclass
 class Task:
-    """A graded task: register checks with ``@task.check(points, hint)``, then ``task.grade(piece)``."""
+    """A graded task: what it grades (``rules``), and its checks (``@task.check(points, hint)``)."""
 
     name: str
+    rules: Rules
     checks: list[Check] = field(default_factory=list)
 
-    def check(self, points: int, hint: str) -> Callable:
+    def check(self, points: int, hint: str, limit_s: float = DEFAULT_LIMIT_S) -> Callable:
         def register(run: Callable[[Any], None]) -> Callable[[Any], None]:
-            self.checks.append(Check(run.__name__, points, hint, run))
+            self.checks.append(Check(run.__name__, points, hint, run, limit_s))
             return run
         return register
 
+    def piece(self, namespace: dict) -> Any:
+        """What the checks are handed: the one graded name, or a namespace of several."""
+        if len(self.rules.needs) == 1:
+            return namespace[self.rules.needs[0]]
+        return type("Learner", (), {name: namespace[name] for name in self.rules.needs})
+
     def grade(self, piece: Any) -> TaskResult:
-        """Run every check on ``piece``, print a line per check, record and return the score."""
-        result = TaskResult(self.name, [self._run(check, piece) for check in self.checks])
+        """Feedback inside the notebook: run every check on ``piece``, print a line per check."""
+        result = TaskResult(self.name, [self.run_check(check, piece) for check in self.checks])
+        for check in result.checks:
+            print(_line(self.name, check))
         print(f"{self.name}: {result.points}/{result.max_points} points")
-        record(result)
         return result
 
-    def not_run(self, why: str) -> TaskResult:
-        """The zero score of a task whose grading cell never finished."""
-        return TaskResult(self.name, [CheckResult(c.name, c.points, NOT_RUN, why, c.hint) for c in self.checks])
+    def zero(self, status: str, message: str) -> TaskResult:
+        """Every check of the task scored zero for one reason (a violation, a crash)."""
+        return TaskResult(self.name, [CheckResult(c.name, c.points, status, message, c.hint) for c in self.checks])
 
-    def _run(self, check: Check, piece: Any) -> CheckResult:
+    def run_check(self, check: Check, piece: Any) -> CheckResult:
         try:
             check.run(piece)
         except NotImplementedError as exc:
-            result = CheckResult(check.name, check.points, NOT_IMPLEMENTED, str(exc) or "a stub is still in place")
+            return CheckResult(check.name, check.points, NOT_IMPLEMENTED, str(exc) or "a stub is still in place")
         except CheckFailed as exc:
-            result = CheckResult(check.name, check.points, FAIL, str(exc), check.hint)
+            return CheckResult(check.name, check.points, FAIL, str(exc), check.hint)
         except Exception as exc:  # noqa: BLE001 - the learner's bug fails this check only
-            result = CheckResult(check.name, check.points, FAIL, f"raised {type(exc).__name__}: {exc}", check.hint)
-        else:
-            result = CheckResult(check.name, check.points, PASS)
-        print(_line(self.name, result))
-        return result
+            return CheckResult(check.name, check.points, FAIL, f"raised {type(exc).__name__}: {exc}{_where(exc)}",
+                               check.hint)
+        return CheckResult(check.name, check.points, PASS)
+
+
+def _where(exc: BaseException) -> str:
+    """Where in the learner's code an exception came from, when it did."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if f.filename.startswith(("<cell ", "<ipython-input")) or "/ipykernel_" in f.filename]
+    if not frames:
+        return ""
+    cell = f"code {frames[-1].filename.strip('<>')}, " if frames[-1].filename.startswith("<cell ") else ""
+    return f" (in {frames[-1].name}, {cell}line {frames[-1].lineno})"
 
 
 def _line(task: str, result: CheckResult) -> str:

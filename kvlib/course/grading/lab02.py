@@ -1,9 +1,10 @@
 """Lab 02 checks: the learner's block allocator and block table, alone and inside the engine.
 
-Each check targets one rule of the interface in ``kvlib/block_allocator.py`` and
-``kvlib/block_table.py``, so a bug costs the checks that cover it and nothing else. The engine
-check serves a workload small enough to force swapping and recomputation, with the learner's
-allocator managing both pools, and compares the tokens with kvlib's own allocator.
+Each check targets one rule of the interface (``kvlib.interfaces.BlockAllocator``), so a bug
+costs the checks that cover it and nothing else. The engine checks serve workloads with the
+learner's allocator managing both pools: one that forks (parallel samples) and shares prefix
+blocks, so a block freed while still shared is caught; one small enough to force swapping and
+recomputation. Tokens are compared with kvlib's own allocator on the same workload.
 """
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ from functools import cache
 
 from kvlib.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
 from kvlib.course.grading.checks import Task, expect, expect_raises
-from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.results import TaskResult
 from kvlib.course.grading.serving import serve_checked
 
-allocator = Task("allocator")
-block_table = Task("block_table")
-engine = Task("engine")
+ALLOCATOR_RULES = Rules(needs=("MyBlockAllocator",),
+                        kvlib_imports={"kvlib.block_allocator": {"AllocStatus", "BlockAllocatorError"}},
+                        own_methods=("ref_count", "can_allocate", "allocate", "fork", "free"))
+allocator = Task("allocator", ALLOCATOR_RULES)
+block_table = Task("block_table", Rules(needs=("MyBlockTable",),
+                                        own_methods=("num_missing_blocks", "slot", "slots", "pop_tail")))
+engine = Task("engine", ALLOCATOR_RULES)
 TASKS = [allocator, block_table, engine]
 
 
@@ -213,34 +219,52 @@ def pop_tail(cls) -> None:
 
 
 # ---- engine ------------------------------------------------------------------------------------
-# 6 prompts that need up to 27 blocks in a pool of 12: the engine must swap and recompute.
-ENGINE_CONFIG = dict(block_size=4, num_gpu_blocks=12, num_cpu_blocks=6, preemption_mode="swap", device="cpu")
+# Six prompts that need up to 27 blocks in a pool of 12: the engine must swap and recompute.
+PRESSURE = dict(block_size=4, num_gpu_blocks=12, num_cpu_blocks=6, preemption_mode="swap", device="cpu")
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i)] for i in range(6)]
+# Three samples of each of four prompts that share a 12-token system prompt through prefix
+# caching: blocks held by several sequences and the cache at once, freed one owner at a time.
+SHARING = dict(block_size=4, num_gpu_blocks=40, num_cpu_blocks=8, preemption_mode="swap", watermark=0.0,
+               enable_prefix_caching=True, device="cpu")
+SYSTEM = [(11 * j) % 250 + 3 for j in range(12)]
+SHARED_PROMPTS = [SYSTEM + [(5 * i + j) % 250 + 3 for j in range(2 + i)] for i in range(4)]
 MAX_TOKENS = 10
 MAX_STEPS = 500
 
 
-@engine.check(5, "pass the allocator checks first; the engine needs exact free counts, and every block "
-                 "must be free again once all requests finish")
-def serves_requests(cls) -> None:
-    tokens, pools = _serve(cls)
-    for i, (mine, reference) in enumerate(zip(tokens, _reference_tokens())):
+@engine.check(3, "pass the allocator checks first; parallel samples fork their prompt's blocks and prefix "
+                 "caching holds blocks too: free() must drop one owner, never the block while others hold it")
+def shares_blocks(cls) -> None:
+    _expect_same(cls, SHARING, SHARED_PROMPTS, n=3)
+
+
+@engine.check(2, "under memory pressure the engine swaps and recomputes; it needs exact free counts, and every "
+                 "block must be free again once all requests finish")
+def serves_under_pressure(cls) -> None:
+    _expect_same(cls, PRESSURE, PROMPTS, n=1)
+
+
+def _expect_same(cls, config: dict, prompts: list, n: int) -> None:
+    tokens, pools, cached = _serve(cls, tuple(config.items()), tuple(map(tuple, prompts)), n)
+    for i, (mine, reference) in enumerate(zip(tokens, _reference_tokens(tuple(config.items()),
+                                                                         tuple(map(tuple, prompts)), n))):
         expect(mine == reference, f"request {i} generated {mine} with your allocator but {reference} with kvlib's; "
                                   f"a block was reused while a sequence still held it")
     for name, pool in zip(("device", "host"), pools):
         owned = [b for b in range(pool.num_blocks) if pool.ref_count(b)]
-        expect(pool.num_free == pool.num_blocks and not owned,
+        expected = cached if name == "device" else 0
+        expect(len(owned) == expected and pool.num_free == pool.num_blocks - expected,
                f"after every request finished, the {name} pool has {pool.num_free} of {pool.num_blocks} blocks free "
-               f"and blocks {owned} still have owners")
+               f"and {len(owned)} still owned; expected {expected} owned (the prefix cache's own)")
 
 
 @cache
-def _reference_tokens() -> tuple:
-    return tuple(_serve(BlockAllocator)[0])
+def _reference_tokens(config: tuple, prompts: tuple, n: int) -> tuple:
+    return tuple(_serve(BlockAllocator, config, prompts, n)[0])
 
 
-def _serve(make_allocator) -> tuple[list[list[int]], list]:
-    """Serve :data:`PROMPTS` step by step, checking block bookkeeping after every step."""
+def _serve(make_allocator, config: tuple, prompts: tuple, n: int) -> tuple[list, list, int]:
+    """Serve ``prompts`` step by step with ``make_allocator`` for both pools, checking bookkeeping after each step."""
     from kvlib import LLM, EngineConfig, SamplingParams
 
     pools = []
@@ -249,8 +273,9 @@ def _serve(make_allocator) -> tuple[list[list[int]], list]:
         pools.append(make_allocator(num_blocks))
         return pools[-1]
 
-    llm = LLM("default", EngineConfig(**ENGINE_CONFIG), allocator=tracked, verbose=False)
-    outputs = serve_checked(llm, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), MAX_STEPS)
+    llm = LLM("default", EngineConfig(**dict(config)), allocator=tracked, verbose=False)
+    outputs = serve_checked(llm, [list(p) for p in prompts], SamplingParams(max_tokens=MAX_TOKENS, n=n), MAX_STEPS)
     rejected = [f"request {i}: {out.error}" for i, out in enumerate(outputs) if out.error]
     expect(not rejected, f"the engine rejected requests: {'; '.join(rejected)}")
-    return [out.token_ids for out in outputs], pools
+    cache = llm.engine.block_manager.cache
+    return [[s.token_ids for s in out.samples] for out in outputs], pools, cache.num_cached if cache else 0

@@ -23,10 +23,12 @@ import torch
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
 from kvlib.course.grading.checks import Task, expect
-from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.results import TaskResult
 
-kernel = Task("kernel")
-engine = Task("engine")
+RULES = Rules(needs=('paged_decode',), kvlib_imports={'kvlib.attention': {'*'}, 'kvlib.attention.metadata': {'AttentionMetadata'}}, own_methods=())
+kernel = Task("kernel", RULES)
+engine = Task("engine", RULES)
 TASKS = [kernel, engine]
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"

@@ -17,12 +17,14 @@ from typing import Callable
 
 from kvlib.block_allocator import BlockAllocator
 from kvlib.course.grading.checks import Task, expect
-from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.results import TaskResult
 from kvlib.course.grading.serving import serve_checked
 
-fork = Task("fork")
-copy_on_write = Task("copy_on_write")
-engine = Task("engine")
+RULES = Rules(needs=('MyBlockSharing',), kvlib_imports={}, own_methods=('fork', 'make_writable'))
+fork = Task("fork", RULES)
+copy_on_write = Task("copy_on_write", RULES)
+engine = Task("engine", RULES)
 TASKS = [fork, copy_on_write, engine]
 
 

@@ -14,13 +14,15 @@ from functools import cache
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
-from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.results import TaskResult
 from kvlib.course.grading.serving import serve_checked
 from kvlib.preemption import LatestArrivalPolicy, SparingPolicy, VictimCandidate
 from kvlib.sequence import Sequence
 
-select_victim = Task("select_victim")
-engine = Task("engine")
+RULES = Rules(needs=('MyVictimPolicy',), kvlib_imports={'kvlib.preemption': {'LatestArrivalPolicy', 'VictimCandidate'}}, own_methods=('select_victim',))
+select_victim = Task("select_victim", RULES)
+engine = Task("engine", RULES)
 TASKS = [select_victim, engine]
 
 

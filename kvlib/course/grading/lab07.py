@@ -15,13 +15,15 @@ from functools import cache
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
-from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.results import TaskResult
 from kvlib.course.grading.serving import serve_checked
 from kvlib.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
 from kvlib.sequence import Sequence
 
-choose_mode = Task("choose_mode")
-engine = Task("engine")
+RULES = Rules(needs=('MyAutoPolicy',), kvlib_imports={'kvlib.preemption': {'LatestArrivalPolicy', 'PreemptionCostModel', 'PreemptionContext', 'VictimCandidate'}}, own_methods=('choose_mode',))
+choose_mode = Task("choose_mode", RULES)
+engine = Task("engine", RULES)
 TASKS = [choose_mode, engine]
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
-from kvlib.course.grading.record import TaskResult
+from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.results import TaskResult
 from kvlib.metrics import EngineMetrics
 
-detector = Task("detector")
-engine = Task("engine")
+RULES = Rules(needs=('MyOversubscriptionDetector',), kvlib_imports={'kvlib.metrics': {'EngineMetrics'}}, own_methods=('observe',))
+detector = Task("detector", RULES)
+engine = Task("engine", RULES)
 TASKS = [detector, engine]
 
 REMEDIES = ("num_gpu_blocks", "max_num_seqs")

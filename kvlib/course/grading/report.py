@@ -1,23 +1,19 @@
-"""The score table of one graded notebook: tasks, points, and why points were lost."""
+"""The score table of one graded notebook, and the gradebook of a class."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import csv
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvlib.course.grading.record import FAIL, TaskResult
-
-
-@dataclass
-class CellError:
-    cell: int  # 1-based, counting every cell as the notebook shows them
-    error: str
+from kvlib.course.grading.results import FAIL, TaskResult
 
 
 @dataclass
 class GradeReport:
     notebook: Path
+    lab: str
     tasks: list[TaskResult]
-    errors: list[CellError]
+    notes: list[str] = field(default_factory=list)  # what the learner should know about how it was graded
 
     @property
     def points(self) -> int:
@@ -39,24 +35,36 @@ class GradeReport:
         return {f"{t.task}/{c.name}" for t in self.tasks for c in t.failed}
 
     def table(self) -> str:
-        """The score table, then the reason and hint for each failed check and any cell errors."""
-        if not self.tasks:
-            return f"{self.notebook}: no graded checks ran; is this a lab notebook?" + self._errors()
+        """The score table, then the reason and hint for each failed check, then the notes."""
         rows = [("task", "points", "max", "failed checks")]
         rows += [(t.task, str(t.points), str(t.max_points), t.failed_summary()) for t in self.tasks]
         rows.append(("total", str(self.points), str(self.max_points), ""))
         widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = [str(self.notebook)]
+        lines = [f"{self.notebook} ({self.lab})"]
         lines += [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:>{widths[2]}}  {d}".rstrip() for a, b, c, d in rows]
-        failures = [(t.task, c) for t in self.tasks for c in t.checks if c.status == FAIL]
+        failures = [(t.task, c) for t in self.tasks for c in t.checks if c.status != "pass"]
         if failures:
             lines.append("\nfailed checks:")
             for task, check in failures:
-                lines.append(f"  {task}/{check.name}: {check.message}")
-                lines.append(f"    hint: {check.hint}")
-        return "\n".join(lines) + self._errors()
+                reason = check.message if check.status == FAIL else f"{check.status}: {check.message}"
+                lines.append(f"  {task}/{check.name}: {reason}")
+                if check.hint and check.status == FAIL:
+                    lines.append(f"    hint: {check.hint}")
+        if self.notes:
+            lines.append("\nnotes:")
+            lines += [f"  {note}" for note in self.notes]
+        return "\n".join(lines)
 
-    def _errors(self) -> str:
-        if not self.errors:
-            return ""
-        return "\n\ncells that raised an error:\n" + "\n".join(f"  cell {e.cell}: {e.error}" for e in self.errors)
+
+def write_gradebook(reports: list[GradeReport], path: str | Path) -> Path:
+    """One row per submission: points per task, the total, and the checks that failed (as nbgrader and
+    otter-grader gradebooks have it)."""
+    tasks = list(dict.fromkeys(t.task for r in reports for t in r.tasks))
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["submission", "lab", *tasks, "total", "max", "failed checks", "notes"])
+        for r in reports:
+            points = {t.task: t.points for t in r.tasks}
+            writer.writerow([r.notebook.name, r.lab, *(points.get(t, "") for t in tasks), r.points, r.max_points,
+                             "; ".join(sorted(r.failed_checks())), " | ".join(r.notes)])
+    return Path(path)

@@ -1,56 +1,120 @@
-"""Execute a learner's notebook (``kvlib grade NOTEBOOK``) and collect the score of every task.
+"""``kvlib grade``: a lab notebook's score, computed where the notebook cannot reach.
 
-The lab's tasks come from the notebook's metadata (``{"kvlib": {"lab": "lab02"}}`` names
-``kvlib.course.grading.lab02``), so a task whose grading cell never ran still shows, with zero points.
+The lab and its tasks come from the grader (the ``labNN`` in the file name, or ``--lab``), never
+from the notebook's metadata. No cell of the notebook runs: each task's definitions are
+extracted from the saved file (``extract.py``), refused if they reach kvlib's own implementation
+or around the grader, and otherwise graded check by check in a sandbox process
+(``sandbox.py``). A folder of submissions is graded in parallel, one sandbox each, into a CSV
+gradebook; one broken or hostile submission cannot stop or alter the others.
 """
 from __future__ import annotations
 
+import datetime
 import importlib
-import tempfile
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-import nbformat
-from nbclient.exceptions import DeadKernelError
+from kvlib.course.grading.extract import code_cells, extract
+from kvlib.course.grading.report import GradeReport
+from kvlib.course.grading.results import NOT_ALLOWED, TaskResult
+from kvlib.course.grading.sandbox import Limits, Sandbox
 
-from kvlib.course.grading.checks import Task
-from kvlib.course.grading.execute import CELL_TIMEOUT_S, execute
-from kvlib.course.grading.record import SCORE_FILE_ENV, read_scores
-from kvlib.course.grading.report import CellError, GradeReport
+LAB_NAME = re.compile(r"lab\d\d")
 
 
-def grade_notebook(path: str | Path, timeout: int = CELL_TIMEOUT_S) -> GradeReport:
-    """Execute the notebook (errors do not stop it; each cell gets ``timeout`` seconds) and score it."""
+def lab_of(path: str | Path) -> str:
+    """``labNN`` from a notebook's file name; the grader knows each lab's tasks by that name alone."""
+    match = LAB_NAME.search(Path(path).name)
+    if match is None or importlib.util.find_spec(f"kvlib.course.grading.{match.group()}") is None:
+        raise ValueError(f"cannot tell which lab {Path(path).name} is: its name should start with the lab's, e.g. "
+                         f"lab02_allocator.ipynb, or pass --lab lab02")
+    return match.group()
+
+
+def grade_notebook(path: str | Path, lab: Optional[str] = None, limits: Limits = Limits()) -> GradeReport:
     path = Path(path)
-    nb = nbformat.read(path, as_version=4)
-    crash: Optional[CellError] = None
-    started: list[int] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        score_file = Path(tmp) / "scores.json"
-        try:
-            execute(nb, path.parent, allow_errors=True, timeout=timeout, env={SCORE_FILE_ENV: str(score_file)},
-                    on_cell_execute=lambda cell, cell_index: started.append(cell_index + 1))
-        except DeadKernelError:
-            crash = CellError(started[-1], "the kernel died (a crash, or out of memory); later cells did not run")
-        scores = read_scores(score_file)
-    errors = _cell_errors(nb, timeout) + ([crash] if crash else [])
-    why = "its grading cell did not finish" + (f" (see cell {errors[0].cell})" if errors else "")
-    tasks = [scores.pop(task.name, None) or task.not_run(why) for task in lab_tasks(nb)]
-    return GradeReport(path, tasks + list(scores.values()), errors)
+    lab = lab or lab_of(path)
+    tasks = grade_cells(lab, code_cells(path), limits)
+    saved = datetime.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M:%S")
+    notes = [f"graded {path.name} as saved at {saved}: edits not saved to the file are not graded"]
+    return GradeReport(path, lab, tasks, notes)
 
 
-def lab_tasks(nb: nbformat.NotebookNode) -> list[Task]:
-    lab = nb.metadata.get("kvlib", {}).get("lab")
-    return importlib.import_module(f"kvlib.course.grading.{lab}").TASKS if lab else []
+def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner=Sandbox) -> list[TaskResult]:
+    """Every task of ``lab`` on the learner's code cells, each check run by ``runner`` (a sandbox process)."""
+    tasks = importlib.import_module(f"kvlib.course.grading.{lab}").TASKS
+    results: dict[str, TaskResult] = {}
+    runnable, statements = [], {}
+    for task in tasks:
+        extracted = extract(cells, task.rules)
+        if extracted.violations:
+            results[task.name] = task.zero(NOT_ALLOWED, "; ".join(extracted.violations))
+            continue
+        runnable.append(task)
+        statements.update(((s.cell, s.first_line), s) for s in extracted.statements)
+    with runner(lab, [statements[k] for k in sorted(statements)], limits) as sandbox:
+        for task in runnable:
+            results[task.name] = TaskResult(task.name, [sandbox.run(task.name, c.name, c.points, c.limit_s)
+                                                        for c in task.checks])
+    return [results[t.name] for t in tasks]
 
 
-def _cell_errors(nb: nbformat.NotebookNode, timeout: int) -> list[CellError]:
-    return [CellError(index, _describe(out, timeout))
-            for index, cell in enumerate(nb.cells, 1) if cell.cell_type == "code"
-            for out in cell.get("outputs", []) if out.output_type == "error"]
+def grade_folder(folder: str | Path, lab: Optional[str] = None, jobs: int = 2,
+                 limits: Limits = Limits()) -> list[GradeReport]:
+    """Every ``*.ipynb`` in ``folder``, ``jobs`` at a time, in submission-name order."""
+    paths = sorted(Path(folder).glob("*.ipynb"))
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(lambda p: _grade_one(p, lab, limits), paths))
 
 
-def _describe(error_output, timeout: int) -> str:
-    if error_output.ename == "KeyboardInterrupt":  # the grader interrupts only a cell that overran
-        return f"ran past the time limit of {timeout} s per cell and was interrupted"
-    return f"{error_output.ename}: {error_output.evalue}"
+def _grade_one(path: Path, lab: Optional[str], limits: Limits) -> GradeReport:
+    try:
+        return grade_notebook(path, lab, limits)
+    except Exception as exc:  # noqa: BLE001 - an unreadable submission is reported, the others still grade
+        return GradeReport(path, lab or "?", [TaskResult("submission", [])],
+                           [f"could not be graded: {type(exc).__name__}: {exc}"] if not isinstance(exc, ValueError)
+                           else [str(exc)])
+
+
+def grade_here() -> None:
+    """From inside a lab notebook: grade the notebook you have open, as ``kvlib grade`` would.
+
+    In Colab the open notebook is fetched from the browser; in Jupyter it is the file on disk, so
+    unsaved edits are not graded, and a warning says so when cells ran after the last save.
+    """
+    path = _open_notebook()
+    last_run = float(os.environ.get("KVLIB_LAST_CELL_RUN", "0"))
+    if path.stat().st_mtime + 1 < last_run:
+        print(f"warning: {path.name} on disk is older than the cells you ran since: save it (Ctrl+S) first, "
+              f"or your latest code is not graded")
+    result = subprocess.run([sys.executable, "-m", "kvlib.cli", "grade", str(path)], capture_output=True, text=True)
+    print(result.stdout or result.stderr)
+
+
+def _open_notebook() -> Path:
+    if "google.colab" in sys.modules:
+        import json
+        import tempfile
+
+        from google.colab import _message  # noqa: PLC0415 - exists only in Colab
+        notebook = _message.blocking_request("get_ipynb", timeout_sec=60)["ipynb"]
+        name = os.environ.get("KVLIB_LAB_FILE", "lab.ipynb")
+        path = Path(tempfile.mkdtemp()) / name
+        path.write_text(json.dumps(notebook))
+        return path
+    session = os.environ.get("JPY_SESSION_NAME")
+    if session and Path(session).is_file():
+        return Path(session)
+    raise RuntimeError("cannot find this notebook's file: run `kvlib grade labs/labNN_topic.ipynb` in a terminal")
+
+
+def mark_cell_run() -> None:
+    """Registered by the notebooks' first cell: when a cell last ran, to compare with the file's save time."""
+    os.environ["KVLIB_LAST_CELL_RUN"] = str(time.time())
+
