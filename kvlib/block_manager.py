@@ -59,16 +59,20 @@ class PrefixStats:
 
 
 class BlockManager:
+    """Subclasses may replace the preemption mechanisms (``swap_out``, ``swap_in``, ``drop`` and
+    ``host_blocks_needed``, see ``kvlib.interfaces.PreemptionMechanism``) using the single-block
+    actions: ``take``, ``share``, ``release``, ``hold_host``, ``free_host`` and ``moves``."""
+
     def __init__(self, block_size: int, gpu_allocator, cpu_allocator, *, watermark_blocks: int = 0,
                  enable_prefix_caching: bool = False, host_prefix_cache: bool = False,
-                 sharing: Optional[BlockSharing] = None):
+                 sharing: Optional[BlockSharing] = None, host_tier_factory: Callable = HostPrefixTier):
         self.block_size = block_size
         self.gpu = gpu_allocator
         self.cpu = cpu_allocator
         self.watermark_blocks = watermark_blocks
         self.sharing = sharing or BlockSharing()
         self.cache = PrefixCache(gpu_allocator) if enable_prefix_caching else None
-        self.host_tier = HostPrefixTier(cpu_allocator) if host_prefix_cache else None
+        self.host_tier = host_tier_factory(cpu_allocator) if host_prefix_cache else None
         self.prefix_stats = PrefixStats()
         self.moves = BlockMoves()
         self._held_host: list[int] = []  # host blocks read or written by this step's moves
@@ -84,7 +88,7 @@ class BlockManager:
     def end_step(self) -> BlockMoves:
         """The step's moves; the host blocks they hold are let go (the copies run before anything reuses them)."""
         for block in self._held_host:
-            self._free_host(block)
+            self.free_host(block)
         self._held_host.clear()
         return self.moves
 
@@ -134,11 +138,11 @@ class BlockManager:
     def grow(self, seq: Sequence, end: int) -> None:
         """Make room for positions ``num_computed_tokens .. end-1``: a private copy of any shared block they write."""
         for index in self._shared_in_range(seq, end):
-            copy = self.sharing.make_writable(self.gpu, seq.block_table.blocks, index, self._take)
+            copy = self.sharing.make_writable(self.gpu, seq.block_table.blocks, index, self.take)
             if copy is not None:
                 self.moves.copies.append(copy)
         for _ in range(seq.block_table.num_missing_blocks(end)):
-            seq.block_table.append(self._take())
+            seq.block_table.append(self.take())
 
     def _shared_in_range(self, seq: Sequence, end: int) -> list[int]:
         first = seq.num_computed_tokens // self.block_size
@@ -170,11 +174,11 @@ class BlockManager:
             self._record_query(seq, hits)
         # Claim every hit before taking a device block: taking one may evict a cached block, and
         # that eviction may push the host tier to make room, so either could be an unclaimed hit.
-        claimed = [self._hold_host(h.block_id) if h.on_host else self._share(h.block_id) for h in hits]
+        claimed = [self.hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
         for hit, block in zip(hits, claimed):
             if hit.on_host:
                 entry = self.host_tier.lookup(hit.name, self._block_tokens(seq, len(seq.block_table)))
-                block = self._take()
+                block = self.take()
                 self.moves.promote.append((hit.block_id, block))
                 self.host_tier.touch(hit.name)
                 self.cache.insert(hit.name, entry.tokens, block)
@@ -216,14 +220,14 @@ class BlockManager:
                 host = self.cpu.fork(self._host_twin[block])
             else:
                 host = self.cpu.allocate()
-                self._hold_host(host)
+                self.hold_host(host)
                 self.moves.swap_out.append((block, host))
                 self._moved_out[block] = host
                 if self._is_full(seq, index):
                     self._pair(block, host)
             hosts.append(host)
         seq.host_blocks = hosts + seq.host_blocks
-        self._release(seq, len(hosts))
+        self.release(seq, len(hosts))
 
     def can_swap_in(self, seq: Sequence, end: int, use_watermark: bool) -> bool:
         needed = blocks_for(end, self.block_size) - len(seq.block_table)  # at most one new block per position past the head
@@ -238,15 +242,15 @@ class BlockManager:
         for host in seq.host_blocks:
             index = len(seq.block_table)
             if self._is_full(seq, index) and host in self._device_twin:
-                block = self._share(self._device_twin[host])
+                block = self.share(self._device_twin[host])
             else:
-                block = self._take()
+                block = self.take()
                 self.moves.swap_in.append((host, block))
                 if self._is_full(seq, index):
                     self._pair(block, host)
             seq.block_table.append(block)
-            self._hold_host(host)
-            self._free_host(host)  # the hold keeps it until the copy has run
+            self.hold_host(host)
+            self.free_host(host)  # the hold keeps it until the copy has run
         seq.host_blocks = []
 
     def _tail(self, seq: Sequence, count: Optional[int]) -> list[tuple[int, int]]:
@@ -271,9 +275,9 @@ class BlockManager:
         """
         before = seq.num_computed_tokens
         for host in seq.host_blocks:
-            self._free_host(host)
+            self.free_host(host)
         seq.host_blocks = []
-        self._release(seq, len(seq.block_table) if count is None else count)
+        self.release(seq, len(seq.block_table) if count is None else count)
         return before - seq.num_computed_tokens
 
     def free(self, seq: Sequence) -> None:
@@ -297,8 +301,11 @@ class BlockManager:
             self.cache.insert(name, tokens, seq.block_table.blocks[index])
             seq.block_hashes.append(name)
 
-    def _release(self, seq: Sequence, count: int) -> None:
-        """Drop ``seq``'s reference to its last ``count`` device blocks; shared ones live on for the others."""
+    def release(self, seq: Sequence, count: int) -> None:
+        """Drop ``seq``'s reference to its last ``count`` device blocks; shared ones live on for the others.
+
+        Its computed tokens shrink to what its remaining blocks, on the device and the host, hold.
+        """
         released = seq.block_table.pop_tail(count)
         for block in released:
             self.gpu.free(block)
@@ -310,7 +317,7 @@ class BlockManager:
         del seq.block_hashes[len(seq.block_table) + len(seq.host_blocks):]
 
     # ---- single blocks -------------------------------------------------------------------------
-    def _take(self) -> int:
+    def take(self) -> int:
         """A free device block, evicting the least recently released cached one when none is free."""
         if self.gpu.num_free == 0 and self.cache is not None:
             entry = self.cache.evict_one()
@@ -319,7 +326,8 @@ class BlockManager:
                 self._demote(entry.name, entry.tokens, entry.block_id)
         return self.gpu.allocate()
 
-    def _share(self, block: int) -> int:
+    def share(self, block: int) -> int:
+        """One more owner for a device block (a cached block nobody used is no longer evictable)."""
         if self.cache is not None:
             self.cache.acquired(block)
         return self.gpu.fork(block)
@@ -331,15 +339,17 @@ class BlockManager:
         if self.cpu.num_free == 0 and not self.host_tier.evict_one():
             return
         host = self.cpu.allocate()
-        self._hold_host(host)
+        self.hold_host(host)
         self.moves.demote.append((device_block, host))
         self.host_tier.put(name, tokens, host)
 
-    def _hold_host(self, block: int) -> int:
+    def hold_host(self, block: int) -> int:
+        """Keep a host block a move of this step reads or writes from being reused before the move runs."""
         self._held_host.append(self.cpu.fork(block))
         return block
 
-    def _free_host(self, block: int) -> None:
+    def free_host(self, block: int) -> None:
+        """Drop one owner of a host block."""
         self.cpu.free(block)
         if self.cpu.ref_count(block) == 0 and block in self._device_twin:
             self._host_twin.pop(self._device_twin.pop(block), None)

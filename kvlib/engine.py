@@ -24,6 +24,7 @@ from kvlib.model_runner import ModelRunner
 from kvlib.outputs import RequestOutput, SampleOutput
 from kvlib.oversubscription import OversubscriptionDetector
 from kvlib.preemption import LatestArrivalPolicy
+from kvlib.prefix_cache import HostPrefixTier
 from kvlib.scheduler import Scheduler, SchedulerOutput, StepResult
 from kvlib.sequence import Sequence, sample_stream_seed
 from kvlib.tokenizer import Tokenizer
@@ -34,7 +35,8 @@ logger = logging.getLogger("kvlib")
 class LLMEngine:
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
                  allocator=None, preemption_policy=None, attention_backend=None, block_sharing=None,
-                 oversubscription_detector=None, verbose: bool = True):
+                 oversubscription_detector=None, scheduler=None, block_manager=None, host_prefix_tier=None,
+                 verbose: bool = True):
         self.config = config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -54,16 +56,17 @@ class LLMEngine:
                                   gpu_memory_utilization=config.gpu_memory_utilization)
         num_gpu_blocks = self.runner.gpu_pool.num_blocks
         make_allocator = allocator or BlockAllocator
-        self.block_manager = BlockManager(
+        self.block_manager = (block_manager or BlockManager)(
             config.block_size, make_allocator(num_gpu_blocks), make_allocator(config.num_cpu_blocks),
             watermark_blocks=int(config.watermark * num_gpu_blocks), enable_prefix_caching=config.enable_prefix_caching,
-            host_prefix_cache=config.host_prefix_cache, sharing=block_sharing)
+            host_prefix_cache=config.host_prefix_cache, sharing=block_sharing,
+            host_tier_factory=host_prefix_tier or HostPrefixTier)
         self.policy = preemption_policy or LatestArrivalPolicy()
         check_preemption_policy(self.policy, config.preemption_mode)
         self.cost_model = self._cost_model(verbose) if config.preemption_mode == "auto" else None
         self.metrics = EngineMetrics(history=config.metrics_history)
         self.oversubscription = oversubscription_detector or OversubscriptionDetector()
-        self.scheduler = Scheduler(config, self.block_manager, self.policy, self.metrics,
+        self.scheduler = (scheduler or Scheduler)(config, self.block_manager, self.policy, self.metrics,
                                    block_bytes=self.runner.spec.block_bytes,
                                    eos_token_ids=frozenset(self.model_config.eos_token_ids),
                                    max_model_len=self.max_model_len, cost_model=self.cost_model)

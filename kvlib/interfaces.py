@@ -127,6 +127,76 @@ class OversubscriptionDetector(Protocol):
     def observe(self, metrics: EngineMetrics) -> Optional[str]: ...
 
 
+@runtime_checkable
+class SchedulingStep(Protocol):
+    """One step of continuous batching (``LLM(scheduler=MyScheduler)``, a ``Scheduler`` subclass).
+
+    ``schedule_running(out, budget)`` gives each running sequence, oldest first, up to its
+    uncomputed tokens within the token ``budget``, asking ``make_room(seq, end, out)`` (which
+    preempts victims, or the sequence itself) before ``start(seq, num_new, end, out)`` puts it in
+    the plan; it returns the budget left. ``schedule_waiting(out, budget)`` then resumes swapped
+    and admits waiting sequences, oldest arrival first across both queues, and stops at the first
+    that does not fit: not past ``max_num_seqs`` (``running_slots`` plus the sequence's
+    ``num_slots``), not past the budget, not below the watermark unless nothing is running (ask
+    the block manager: ``can_swap_in``/``swap_in``, ``prefix_hits``/``can_admit``/``admit``).
+    Must keep true: no sequence is planned twice in a step, nor past the budget. The engine
+    guarantees that ``schedule_waiting`` runs only in steps without a preemption.
+    """
+
+    def schedule_running(self, out, budget: int) -> int: ...
+
+    def schedule_waiting(self, out, budget: int) -> int: ...
+
+
+@runtime_checkable
+class PreemptionMechanism(Protocol):
+    """How a victim's blocks leave the device and come back (``LLM(block_manager=MyBlockManager)``,
+    a ``BlockManager`` subclass).
+
+    ``swap_out(seq, count)`` moves the sequence's last ``count`` device blocks (None: all) to new
+    host blocks, adding one ``(device, host)`` pair per block to ``moves.swap_out`` and putting the
+    host ids, in order, before ``seq.host_blocks``; ``swap_in(seq)`` brings its host blocks back to
+    new device blocks (``moves.swap_in``); ``drop(seq, count)`` lets go of the last ``count``
+    device blocks and every host copy, returning the computed tokens lost. ``host_blocks_needed``
+    says how many host blocks a swap-out would allocate. Use ``take()`` for a device block,
+    ``release(seq, count)`` to let go of device blocks, ``hold_host``/``free_host`` for host blocks
+    a move reads. Must keep true: every reference taken is released exactly once, and each move
+    reads what its source held when the step began. The engine guarantees the caller made room on
+    the host first and copies the moves before the step's forward pass, device to host first.
+    """
+
+    def swap_out(self, seq, count: Optional[int] = None) -> None: ...
+
+    def swap_in(self, seq) -> None: ...
+
+    def drop(self, seq, count: Optional[int] = None) -> int: ...
+
+    def host_blocks_needed(self, seqs: list, count: Optional[int] = None) -> int: ...
+
+
+@runtime_checkable
+class HostPrefixTier(Protocol):
+    """Prefix blocks evicted from the device, kept in the host pool (``LLM(host_prefix_tier=MyTier)``,
+    built with the host pool's allocator).
+
+    ``put(name, tokens, host_block)`` keeps an already allocated host block (its one reference is
+    now the tier's); ``lookup(name, tokens)`` returns the ``CachedBlock`` kept under ``name`` if its
+    tokens match, else None; ``touch(name)`` marks it just used; ``evict_one()`` frees the least
+    recently used block whose reference count is 1 (more means a move of this step holds it) and
+    says whether it found one; iterating yields every kept ``CachedBlock``. Must keep true: the tier
+    holds exactly one reference to each block it keeps. The engine guarantees it puts only blocks it
+    allocated for the tier and frees none of them itself.
+    """
+
+    def put(self, name: int, tokens: tuple, host_block: int) -> None: ...
+
+    def lookup(self, name: int, tokens: tuple): ...
+
+    def touch(self, name: int) -> None: ...
+
+    def evict_one(self) -> bool: ...
+
+
 def check_preemption_policy(policy, preemption_mode: str) -> None:
     """The mode has one owner: ``EngineConfig.preemption_mode``; a policy may choose only in auto mode."""
     if not callable(getattr(policy, "select_victim", None)):

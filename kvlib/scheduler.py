@@ -82,11 +82,11 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # every queue in arrival order, oldest first
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
-        self._running_slots = 0  # running sequences plus the samples they will fork
+        self.running_slots = 0  # running sequences plus the samples they will fork
 
     # ---- queues -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self._move(seq, SequenceStatus.WAITING)
+        self.move(seq, SequenceStatus.WAITING)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -95,18 +95,18 @@ class Scheduler:
         return {SequenceStatus.WAITING: self.waiting, SequenceStatus.RUNNING: self.running,
                 SequenceStatus.SWAPPED: self.swapped}.get(status)
 
-    def _move(self, seq: Sequence, status: SequenceStatus) -> None:
+    def move(self, seq: Sequence, status: SequenceStatus) -> None:
         old = self._queue(seq.status)
         if old is not None and seq in old:
             old.remove(seq)
             if old is self.running:
-                self._running_slots -= seq.num_slots
+                self.running_slots -= seq.num_slots
         seq.status = status
         new = self._queue(status)
         if new is not None:
             bisect.insort(new, seq, key=by_arrival)
             if new is self.running:
-                self._running_slots += seq.num_slots
+                self.running_slots += seq.num_slots
 
     def why_never(self, seq: Sequence) -> Optional[str]:
         """Why ``seq`` could never run in this pool, or None if it can."""
@@ -132,17 +132,17 @@ class Scheduler:
         still holds every move the actions taken so far imply, for the engine to carry out."""
         self.bm.begin_step()
         try:
-            budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+            budget = self.schedule_running(out, self.config.max_num_batched_tokens)
             if out.num_preemptions == 0:
-                budget = self._resume(out, budget)
+                budget = self.schedule_waiting(out, budget)
             if not out.scheduled and self.has_unfinished():  # all wait for blocks that paused sequences hold
                 self._release_holders(out)
-                self._resume(out, budget)
+                self.schedule_waiting(out, budget)
         finally:
             out.moves = self.bm.end_step()
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -150,24 +150,28 @@ class Scheduler:
             if num_new == 0:
                 continue
             end = seq.num_computed_tokens + num_new
-            while not self.bm.can_grow(seq, end):
-                shortfall = self.bm.blocks_to_grow(seq, end) - self.bm.num_free_blocks
-                victim = self._select_victim(seq, shortfall, out)
-                count = victim.num_blocks
-                if self.config.partial_preemption and victim.num_unique_tail_blocks:
-                    count = min(shortfall, victim.num_unique_tail_blocks)
-                self._preempt(victim, count, out)
-                if seq.status is not SequenceStatus.RUNNING:
-                    break
-            else:
-                self._schedule(seq, num_new, end, out)
+            if self.make_room(seq, end, out):
+                self.start(seq, num_new, end, out)
                 budget -= num_new
         return budget
 
-    def _resume(self, out: SchedulerOutput, budget: int) -> int:
+    def make_room(self, seq: Sequence, end: int, out: SchedulerOutput) -> bool:
+        """Preempt the policy's victims until ``seq`` can grow to ``end``; False if ``seq`` itself was the victim."""
+        while not self.bm.can_grow(seq, end):
+            shortfall = self.bm.blocks_to_grow(seq, end) - self.bm.num_free_blocks
+            victim = self._select_victim(seq, shortfall, out)
+            count = victim.num_blocks
+            if self.config.partial_preemption and victim.num_unique_tail_blocks:
+                count = min(shortfall, victim.num_unique_tail_blocks)
+            self._preempt(victim, count, out)
+            if seq.status is not SequenceStatus.RUNNING:
+                return False
+        return True
+
+    def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Swapped and waiting sequences, oldest first; nobody newer overtakes one waiting for room."""
         for seq in list(heapq.merge(self.swapped, self.waiting, key=by_arrival)):
-            if budget == 0 or self._running_slots + seq.num_slots > self.config.max_num_seqs:
+            if budget == 0 or self.running_slots + seq.num_slots > self.config.max_num_seqs:
                 break
             num_new = min(seq.num_uncomputed_tokens, budget)
             use_watermark = bool(self.running)  # alone in the pool, a sequence may use all of it
@@ -184,12 +188,12 @@ class Scheduler:
                 if not self.bm.can_admit(seq, hits, end, use_watermark):
                     break
                 self.bm.admit(seq, hits)
-            self._move(seq, SequenceStatus.RUNNING)
-            self._schedule(seq, num_new, end, out)
+            self.move(seq, SequenceStatus.RUNNING)
+            self.start(seq, num_new, end, out)
             budget -= num_new
         return budget
 
-    def _schedule(self, seq: Sequence, num_new: int, end: int, out: SchedulerOutput) -> None:
+    def start(self, seq: Sequence, num_new: int, end: int, out: SchedulerOutput) -> None:
         self.bm.grow(seq, end)
         out.scheduled.append((seq, num_new))
         if end == seq.num_tokens and seq.pending_forks:
@@ -229,11 +233,11 @@ class Scheduler:
         if mode == "swap":
             self.metrics.num_preemptions_swap += 1
             self.bm.swap_out(seq, count)
-            self._move(seq, SequenceStatus.SWAPPED)
+            self.move(seq, SequenceStatus.SWAPPED)
         else:
             self.metrics.num_preemptions_recompute += 1
             self.metrics.num_recomputed_tokens += self.bm.drop(seq, count)
-            self._move(seq, SequenceStatus.WAITING)
+            self.move(seq, SequenceStatus.WAITING)
 
     def _mode(self, victim: VictimCandidate, count: int) -> str:
         """The configured mode, or in auto mode the policy's; a swap without host room recomputes."""
@@ -273,10 +277,10 @@ class Scheduler:
         forked = []
         for parent, children in plan.forks.items():
             parent.pending_forks = 0
-            self._running_slots -= len(children)
+            self.running_slots -= len(children)
             for child in children:
                 self.bm.fork(parent, child)
-                self._move(child, SequenceStatus.RUNNING)
+                self.move(child, SequenceStatus.RUNNING)
                 forked.append(child)
         sampled, finished = [], []
         for (seq, _), token in zip(draws, tokens):
@@ -300,4 +304,4 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done (finished or aborted): it leaves its queue and lets go of every block."""
         self.bm.free(seq)
-        self._move(seq, SequenceStatus.FINISHED)
+        self.move(seq, SequenceStatus.FINISHED)
