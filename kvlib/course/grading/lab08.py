@@ -1,127 +1,163 @@
-"""Lab 08 checks: the learner's oversubscription detector, alone and inside the engine.
+"""Lab 07 checks: the learner's swap-or-recompute choice, alone and inside the engine.
 
-The learner writes ``observe(metrics) -> Optional[str]`` (see :mod:`kvlib.oversubscription`):
-once at least ``min_finished`` requests have finished, warn the first time preemptions per
-finished request are above ``threshold``, naming both remedies, and never again. The unit checks
-feed it :class:`~kvlib.metrics.EngineMetrics` built by hand; the engine checks plug it in with
-``LLM(..., oversubscription_detector=...)`` and count its warnings over a whole run, in a pool
-too small for the workload and in one with room.
+The learner writes a policy built on a :class:`~kvlib.preemption.PreemptionCostModel` with
+``swap_seconds(context)``, ``recompute_seconds(context)`` and ``choose_mode(victim, context)``.
+The unit checks price hand-built :class:`~kvlib.preemption.PreemptionContext` cases on both
+sides of the crossover. The engine checks serve one workload under three cost models: a link so
+fast that every victim must swap, one so slow that every victim must recompute, and a fast link
+with a host pool too small for some victims, where the policy must choose recompute itself
+rather than leave the engine to overrule it.
 """
 from __future__ import annotations
+
+import math
+from functools import cache
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.extract import Rules
 from kvlib.course.grading.results import TaskResult
-from kvlib.metrics import EngineMetrics
+from kvlib.course.grading.serving import serve_checked
+from kvlib.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
+from kvlib.sequence import Sequence
 
-RULES = Rules(needs=('MyOversubscriptionDetector',), kvlib_imports={'kvlib.metrics': {'EngineMetrics'}}, own_methods=('observe',))
-detector = Task("detector", RULES)
+RULES = Rules(needs=('MyAutoPolicy',), kvlib_imports={'kvlib.preemption': {'LatestArrivalPolicy', 'PreemptionCostModel', 'PreemptionContext', 'VictimCandidate'}}, own_methods=('choose_mode',))
+choose_mode = Task("choose_mode", RULES)
 engine = Task("engine", RULES)
-TASKS = [detector, engine]
-
-REMEDIES = ("num_gpu_blocks", "max_num_seqs")
+TASKS = [choose_mode, engine]
 
 
-def check_detector(detector_cls) -> TaskResult:
-    return detector.grade(detector_cls)
+def check_choose_mode(policy_cls) -> TaskResult:
+    return choose_mode.grade(policy_cls)
 
 
-def check_engine(detector_cls) -> TaskResult:
-    return engine.grade(detector_cls)
+def check_engine(policy_cls) -> TaskResult:
+    return engine.grade(policy_cls)
 
 
-# ---- detector ----------------------------------------------------------------------------------
-def _observe(instance, preemptions: int, finished: int):
-    return instance.observe(EngineMetrics(num_preemptions=preemptions, num_finished=finished))
+# ---- choose_mode -------------------------------------------------------------------------------
+# A link of 2048 bytes/s, a prefill of 3.5 tokens/s and 1 KiB blocks: swapping 4 blocks costs
+# 2 * 4 * 1024 / 2048 = 4 s, the same as recomputing 14 tokens.
+TOY = PreemptionCostModel(host_link_bytes_per_s=2048, prefill_tokens_per_s=3.5)
+# A PCIe-like link of 25 GB/s, a fast prefill of 1.2M tokens/s, blocks of 16 tokens x 8 KiB: swapping
+# 4 blocks (42 us) costs the same as recomputing 50.3 tokens.
+PCIE = PreemptionCostModel(host_link_bytes_per_s=25e9, prefill_tokens_per_s=1.2e6)
+PCIE_BLOCK_BYTES = 16 * 8 * 1024
+VICTIM = VictimCandidate(Sequence(request_id="victim", prompt_token_ids=[3], params=SamplingParams(), block_size=4,
+                                  arrival_time=0.0), is_requester=False, running=True, num_blocks=4,
+                         num_unique_tail_blocks=4, num_shared_blocks=0)
 
 
-def _expect_answers(cls, cases: list[tuple[int, int, bool]], threshold: float = 1.0, min_finished: int = 8) -> None:
-    """Each case is (preemptions, finished, warns) for a fresh detector."""
-    for preemptions, finished, warns in cases:
-        answer = _observe(cls(threshold=threshold, min_finished=min_finished), preemptions, finished)
-        expect(bool(answer) == warns,
-               f"a new detector (threshold {threshold}, min_finished {min_finished}) given {preemptions} preemptions "
-               f"over {finished} finished requests returned {answer!r}; expected "
-               f"{'a warning' if warns else 'None'}")
+def _context(num_blocks: int, num_tokens: int, block_bytes: int = 1024, host_free_blocks: int = 64):
+    return PreemptionContext(num_blocks=num_blocks, num_tokens=num_tokens, num_host_blocks=num_blocks,
+                             block_bytes=block_bytes, host_free_blocks=host_free_blocks)
 
 
-@detector.check(1, "judge nothing before min_finished requests have finished: return None, and never divide by "
-                   "num_finished while it can still be 0")
-def quiet_until_min_finished(cls) -> None:
-    _expect_answers(cls, [(5, 0, False), (50, 7, False), (50, 8, True)])
-    _expect_answers(cls, [(10, 2, False), (10, 3, True)], min_finished=3)
+def _describe(cost: PreemptionCostModel, c: PreemptionContext) -> str:
+    return (f"link {cost.host_link_bytes_per_s:g} bytes/s, prefill {cost.prefill_tokens_per_s:g} tokens/s, "
+            f"{c.num_blocks} blocks of {c.block_bytes} bytes holding {c.num_tokens} tokens, "
+            f"{c.host_free_blocks} host blocks free")
 
 
-@detector.check(2, "the rate is num_preemptions / num_finished, and it warns only when strictly above threshold")
-def rate_above_threshold(cls) -> None:
-    _expect_answers(cls, [(20, 10, True), (9, 8, True), (8, 8, False), (20, 40, False)])
-    _expect_answers(cls, [(20, 40, True), (10, 40, False)], threshold=0.25)
+def _expect_seconds(cls, method: str, cost: PreemptionCostModel, context: PreemptionContext, expected: float) -> None:
+    got = getattr(cls(cost), method)(context)
+    expect(isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=1e-9),
+           f"{method} with {_describe(cost, context)}: got {got!r}, expected {expected:g} s")
 
 
-@detector.check(1, "after the first warning, keep returning None: the engine calls observe after every step, and one "
-                   "alarm per run is a signal where one per step is noise")
-def warns_once(cls) -> None:
-    instance = cls(threshold=1.0, min_finished=8)
-    answers = [_observe(instance, p, f) for p, f in [(1, 8), (15, 10), (30, 12), (60, 20)]]
-    expect([bool(a) for a in answers] == [False, True, False, False],
-           f"one detector given (preemptions, finished) = (1, 8), (15, 10), (30, 12), (60, 20) in turn returned "
-           f"{answers}; expected None, a warning, None, None")
+def _expect_mode(cls, cost: PreemptionCostModel, context: PreemptionContext, expected: str, why: str) -> None:
+    got = cls(cost).choose_mode(VICTIM, context)
+    expect(got == expected, f"choose_mode with {_describe(cost, context)}: got {got!r}, expected {expected!r} ({why})")
 
 
-@detector.check(1, "the warning must say what to change: more KV capacity (num_gpu_blocks) or less concurrency "
-                   "(max_num_seqs)")
-def names_both_remedies(cls) -> None:
-    message = _observe(cls(threshold=1.0, min_finished=8), 30, 10)
-    expect(isinstance(message, str), f"the detector returned {message!r} where it should warn; expected a str")
-    missing = [name for name in REMEDIES if name not in message]
-    expect(not missing, f"the warning {message!r} does not mention {' or '.join(missing)}")
+@choose_mode.check(1, "swap_seconds = 2 * num_blocks * block_bytes / host_link_bytes_per_s: the blocks cross the "
+                      "link once out and once back in")
+def swap_seconds(cls) -> None:
+    _expect_seconds(cls, "swap_seconds", TOY, _context(4, 14), 4.0)
+    _expect_seconds(cls, "swap_seconds", PCIE, _context(4, 50, PCIE_BLOCK_BYTES), 2 * 4 * PCIE_BLOCK_BYTES / 25e9)
+
+
+@choose_mode.check(1, "recompute_seconds = num_tokens / prefill_tokens_per_s: the dropped tokens are prefilled again")
+def recompute_seconds(cls) -> None:
+    _expect_seconds(cls, "recompute_seconds", TOY, _context(4, 14), 4.0)
+    _expect_seconds(cls, "recompute_seconds", PCIE, _context(4, 50, PCIE_BLOCK_BYTES), 50 / 1.2e6)
+
+
+@choose_mode.check(2, "return \"swap\" only when swap_seconds is strictly below recompute_seconds; a tie recomputes "
+                      "(it keeps the host link and the host pool free)")
+def cheaper_wins(cls) -> None:
+    _expect_mode(cls, TOY, _context(4, 13), "recompute", "recompute 3.71 s < swap 4 s")
+    _expect_mode(cls, TOY, _context(4, 15), "swap", "swap 4 s < recompute 4.29 s")
+    _expect_mode(cls, TOY, _context(4, 14), "recompute", "a tie: both 4 s")
+    _expect_mode(cls, PCIE, _context(4, 50, PCIE_BLOCK_BYTES), "recompute", "recompute 41.7 us < swap 41.9 us")
+    _expect_mode(cls, PCIE, _context(4, 51, PCIE_BLOCK_BYTES), "swap", "swap 41.9 us < recompute 42.5 us")
+
+
+@choose_mode.check(1, "swap needs a free host block for every block the victim gives up: with "
+                      "host_free_blocks < num_blocks, return \"recompute\" whatever the prices")
+def host_room(cls) -> None:
+    _expect_mode(cls, TOY, _context(4, 16, host_free_blocks=3), "recompute", "4 blocks but only 3 free on the host")
+    _expect_mode(cls, TOY, _context(4, 16, host_free_blocks=4), "swap", "swap 4 s < recompute 4.57 s, and the 4 "
+                                                                        "blocks fit the 4 free on the host")
 
 
 # ---- engine ------------------------------------------------------------------------------------
-# 10 requests that each grow to 7 blocks of 2 tokens, all admitted at once: 10 blocks cannot
-# hold them, and the engine preempts about twice per finished request. 256 blocks hold them all.
-PROMPTS = [[3 + i, 4, 5, 6] for i in range(10)]
-PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
-CONFIG = dict(block_size=2, max_num_seqs=10, preemption_mode="recompute", watermark=0.0)
-SMALL_POOL, ROOMY_POOL = 10, 256
+# 6 requests that grow to 38 blocks in all, in a pool of 12: every run preempts.
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i)] for i in range(6)]
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+ENGINE_CONFIG = dict(block_size=4, num_gpu_blocks=12, preemption_mode="auto", watermark=0.0)
+FAST_LINK = PreemptionCostModel(host_link_bytes_per_s=1e15, prefill_tokens_per_s=1.0)
+SLOW_LINK = PreemptionCostModel(host_link_bytes_per_s=1e3, prefill_tokens_per_s=1e9)
+ROOMY_HOST, SMALL_HOST = 64, 3
+MAX_STEPS = 500
 
 
-class _Recording:
-    """The learner's detector as the engine sees it, keeping every warning it returns."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.warnings: list[str] = []
-
-    def observe(self, metrics: EngineMetrics):
-        answer = self.inner.observe(metrics)
-        if answer:
-            self.warnings.append(answer)
-        return answer
+@engine.check(2, "with a link this fast swap is always cheaper: every preemption must swap")
+def fast_link_swaps(cls) -> None:
+    m = _serve(cls, FAST_LINK, ROOMY_HOST)
+    expect(m.num_preemptions_swap == m.num_preemptions,
+           f"{m.num_preemptions_recompute} of {m.num_preemptions} preemptions recomputed; with a 1e15 bytes/s link "
+           f"and 1 prefill token/s every one should swap")
 
 
-@engine.check(2, "an oversubscribed run must warn exactly once; pass the detector checks first")
-def warns_once_when_oversubscribed(cls) -> None:
-    warnings, metrics = _serve(cls, SMALL_POOL)
-    rate = metrics.num_preemptions / metrics.num_finished
-    expect(len(warnings) == 1, f"{metrics.num_preemptions} preemptions over {metrics.num_finished} requests "
-                               f"({rate:.1f} per request) in a pool of {SMALL_POOL} blocks: your detector warned "
-                               f"{len(warnings)} times, expected once")
+@engine.check(2, "with a link this slow recompute is always cheaper: every preemption must recompute")
+def slow_link_recomputes(cls) -> None:
+    m = _serve(cls, SLOW_LINK, ROOMY_HOST)
+    expect(m.num_preemptions_recompute == m.num_preemptions,
+           f"{m.num_preemptions_swap} of {m.num_preemptions} preemptions swapped; with a 1e3 bytes/s link and 1e9 "
+           f"prefill tokens/s every one should recompute")
 
 
-@engine.check(1, "a run that never preempts must never warn")
-def quiet_with_room(cls) -> None:
-    warnings, metrics = _serve(cls, ROOMY_POOL)
-    expect(not warnings, f"{metrics.num_preemptions} preemptions over {metrics.num_finished} requests in a pool of "
-                         f"{ROOMY_POOL} blocks, yet your detector warned {len(warnings)} times: {warnings[:1]}")
+@engine.check(1, "the engine falls back to recompute when you choose swap without host room, and counts it in "
+                 "num_swap_fallbacks; compare host_free_blocks with num_blocks yourself")
+def small_host_pool(cls) -> None:
+    m = _serve(cls, FAST_LINK, SMALL_HOST)
+    expect(m.num_swap_fallbacks == 0,
+           f"the engine overruled {m.num_swap_fallbacks} of your swap choices: the host pool of {SMALL_HOST} blocks "
+           f"did not have room for them")
+    expect(m.num_preemptions_swap > 0, f"none of {m.num_preemptions} preemptions swapped, though the fast link makes "
+                                       f"swap cheaper whenever the host pool has room")
 
 
-def _serve(detector_cls, num_gpu_blocks: int) -> tuple[list[str], EngineMetrics]:
+@cache
+def _unpressured_tokens() -> tuple:
+    from kvlib import LLM, EngineConfig
+    llm = LLM("default", EngineConfig(block_size=4, num_gpu_blocks=256, device="cpu"), verbose=False)
+    return tuple(out.token_ids for out in llm.generate(PROMPTS, PARAMS))
+
+
+def _serve(policy_cls, cost: PreemptionCostModel, num_cpu_blocks: int):
+    """Serve the prompts step by step with ``policy_cls(cost)``; check bookkeeping and tokens; return the metrics."""
     from kvlib import LLM, EngineConfig
 
-    recording = _Recording(detector_cls(threshold=1.0, min_finished=8))
-    llm = LLM("default", EngineConfig(device="cpu", num_gpu_blocks=num_gpu_blocks, **CONFIG),
-              oversubscription_detector=recording, verbose=False)
-    llm.generate(PROMPTS, PARAMS)
-    return recording.warnings, llm.metrics
+    config = EngineConfig(device="cpu", num_cpu_blocks=num_cpu_blocks, **ENGINE_CONFIG)
+    llm = LLM("default", config, preemption_policy=policy_cls(cost), verbose=False)
+    outputs = serve_checked(llm, PROMPTS, PARAMS, MAX_STEPS)
+    for i, (out, expected) in enumerate(zip(outputs, _unpressured_tokens())):
+        expect(out.token_ids == expected, f"request {i} generated {out.token_ids} but {expected} in a pool with room")
+    m = llm.metrics
+    expect(m.num_preemptions > 0, "the workload was meant to preempt but did not")
+    print(f"link {cost.host_link_bytes_per_s:g} bytes/s, prefill {cost.prefill_tokens_per_s:g} tokens/s, host pool "
+          f"{num_cpu_blocks} blocks: {m.num_preemptions_swap} swapped, {m.num_preemptions_recompute} recomputed "
+          f"({m.num_swap_fallbacks} of them overruled by the engine)")
+    return m

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlib.course.grading import grade_notebook, lab06, lab07, lab08
+from kvlib.course.grading import grade_notebook, lab07, lab08, lab09
 from kvlib.course.grading.results import FAIL
 from kvlib.course.labs import remove_hidden_tests
 from kvlib.oversubscription import OversubscriptionDetector
@@ -64,8 +64,8 @@ class AlwaysRequester(LatestArrivalPolicy):
 
 
 def test_the_reference_policy_gets_full_marks():
-    assert lab06.check_select_victim(lab06.ReferencePolicy).full_marks
-    assert lab06.check_engine(lab06.ReferencePolicy).full_marks
+    assert lab07.check_select_victim(lab07.ReferencePolicy).full_marks
+    assert lab07.check_engine(lab07.ReferencePolicy).full_marks
 
 
 @pytest.mark.parametrize("policy, failed", [
@@ -77,7 +77,7 @@ def test_the_reference_policy_gets_full_marks():
     (AlwaysRequester, ["prefers_covering_tail", "newest_among_equals", "never_all_shared", "requester_last_resort"]),
 ])
 def test_lab06_a_bug_costs_exactly_its_checks(policy, failed):
-    assert _failed(lab06.check_select_victim(policy), lab06.check_engine(policy)) == failed
+    assert _failed(lab07.check_select_victim(policy), lab07.check_engine(policy)) == failed
 
 
 # ---- lab 07: choose_mode -----------------------------------------------------------------------
@@ -120,8 +120,8 @@ class Inverted(Auto):
 
 
 def test_a_correct_auto_policy_gets_full_marks():
-    assert lab07.check_choose_mode(Auto).full_marks
-    assert lab07.check_engine(Auto).full_marks
+    assert lab08.check_choose_mode(Auto).full_marks
+    assert lab08.check_engine(Auto).full_marks
 
 
 @pytest.mark.parametrize("policy, failed", [
@@ -131,7 +131,7 @@ def test_a_correct_auto_policy_gets_full_marks():
     (Inverted, ["cheaper_wins", "host_room", "fast_link_swaps", "slow_link_recomputes", "small_host_pool"]),
 ])
 def test_lab07_a_bug_costs_exactly_its_checks(policy, failed):
-    assert _failed(lab07.check_choose_mode(policy), lab07.check_engine(policy)) == failed
+    assert _failed(lab08.check_choose_mode(policy), lab08.check_engine(policy)) == failed
 
 
 # ---- lab 08: the detector ----------------------------------------------------------------------
@@ -173,8 +173,8 @@ class OneRemedy(OversubscriptionDetector):
 
 
 def test_the_engine_detector_gets_full_marks():
-    assert lab08.check_detector(OversubscriptionDetector).full_marks
-    assert lab08.check_engine(OversubscriptionDetector).full_marks
+    assert lab09.check_detector(OversubscriptionDetector).full_marks
+    assert lab09.check_engine(OversubscriptionDetector).full_marks
 
 
 @pytest.mark.parametrize("detector, failed", [
@@ -185,7 +185,7 @@ def test_the_engine_detector_gets_full_marks():
     (OneRemedy, ["names_both_remedies"]),
 ])
 def test_lab08_a_bug_costs_exactly_its_checks(detector, failed):
-    assert _failed(lab08.check_detector(detector), lab08.check_engine(detector)) == failed
+    assert _failed(lab09.check_detector(detector), lab09.check_engine(detector)) == failed
 
 
 # ---- whole notebooks, as `kvlib grade` runs them -----------------------------------------------
@@ -202,20 +202,20 @@ def _with_bug(tmp_path: Path, solution: Path, old: str, new: str) -> Path:
 
 
 def test_lab06_solution_gets_full_marks():
-    report = grade_notebook(ROOT / "solutions" / "lab06_victim_selection.ipynb")
+    report = grade_notebook(ROOT / "solutions" / "lab07_victim_selection.ipynb")
     assert report.full_marks, report.table()
     assert [(t.task, t.points) for t in report.tasks] == [("select_victim", 6), ("engine", 4)]
 
 
 def test_lab07_untouched_gets_zero_and_says_not_implemented():
-    report = grade_notebook(ROOT / "labs" / "lab07_auto_policy.ipynb")
+    report = grade_notebook(ROOT / "labs" / "lab08_cost_model.ipynb")
     assert (report.points, report.max_points) == (0, 10)
     for task in ("choose_mode", "engine"):
         assert report.task(task).failed_summary().startswith("not implemented: MyAutoPolicy."), report.table()
 
 
 def test_lab08_warning_every_step_loses_the_once_checks(tmp_path):
-    solution = ROOT / "solutions" / "lab08_oversubscription.ipynb"
+    solution = ROOT / "solutions" / "lab09_preemption_metrics.ipynb"
     report = grade_notebook(_with_bug(tmp_path, solution, "        self.warned = True\n", ""))
     assert report.failed_checks() == {"detector/warns_once", "engine/warns_once_when_oversubscribed"}, report.table()
     assert (report.points, report.max_points) == (5, 8)
