@@ -237,3 +237,18 @@ def test_the_table_says_what_failed_and_why(tmp_path):
     assert "block_table/missing_blocks: a table holding 2 blocks" in table and "hint:" in table
     assert "as saved at" in table  # unsaved edits are not graded, and the table says so
     assert all(c.status == PASS for t in report.tasks for c in t.checks if c.name != "missing_blocks")
+
+
+def test_grading_from_inside_the_notebook_warns_about_unsaved_edits(tmp_path, monkeypatch, capsys):
+    import os
+    import time
+
+    from kvlib.course.grading.runner import grade_here, mark_cell_run
+    path = submission(tmp_path, "lab02_mine.ipynb", base=LAB)
+    os.utime(path, (time.time() - 60, time.time() - 60))  # saved a minute ago ...
+    monkeypatch.setenv("JPY_SESSION_NAME", str(path))  # the notebook Jupyter has open
+    mark_cell_run()  # ... and a cell ran just now
+    grade_here()
+    out = capsys.readouterr().out
+    assert "save it (Ctrl+S) first" in out
+    assert "lab02_mine.ipynb (lab02)" in out and "not implemented" in out
