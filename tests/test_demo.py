@@ -1,0 +1,13 @@
+"""``kvlib demo`` serves its workload, reports preemption and writes its pictures."""
+from kvlib.cli.demo import DemoOptions, run_demo
+
+
+def test_the_demo_preempts_and_writes_its_timeline_and_pool_view(tmp_path, capsys):
+    options = DemoOptions(num_requests=6, num_gpu_blocks=16, num_cpu_blocks=24, block_size=8, max_tokens=24,
+                          model="default", plot_path=str(tmp_path / "timeline.png"),
+                          pool_view_path=str(tmp_path / "pool.png"))
+    summary = run_demo(options)
+    out = capsys.readouterr().out
+    assert summary["num_finished"] == 6 and summary["num_preemptions"] > 0
+    assert "preemption report" in out and "sample completions" in out
+    assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "pool.png").stat().st_size > 0
