@@ -1,0 +1,44 @@
+"""Verdicts a lesson prints from what it measured, never typed into its text.
+
+``verdict(rule, when_true, when_false, **measured)`` evaluates ``rule`` (an expression over the
+measured values), prints the sentence the measurements support, and records what it said. The
+lesson test runs every lesson and evaluates each recorded rule again on the recorded values, so
+a sentence can only ever say what the numbers on this machine show.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+_RECORDED: list[dict[str, Any]] = []
+_SAFE = {"abs": abs, "min": min, "max": max, "round": round, "len": len, "all": all, "any": any, "math": math}
+
+
+def verdict(rule: str, when_true: str, when_false: str, **measured) -> bool:
+    """Print ``when_true`` or ``when_false`` (``str.format`` with ``measured``) as ``rule`` holds on ``measured``."""
+    holds = bool(eval(rule, {"__builtins__": {}, **_SAFE}, dict(measured)))  # noqa: S307 - a lesson's own rule
+    said = (when_true if holds else when_false).format(**measured)
+    _RECORDED.append({"rule": rule, "holds": holds, "said": said,
+                      "measured": {k: _plain(v) for k, v in measured.items()}})
+    print(said)
+    return holds
+
+
+def recorded() -> list[dict[str, Any]]:
+    """Every verdict printed in this process, in order."""
+    return list(_RECORDED)
+
+
+def holds_again(record: dict[str, Any]) -> bool:
+    """The recorded rule evaluated again on the recorded values: it must agree with what was said."""
+    return bool(eval(record["rule"], {"__builtins__": {}, **_SAFE}, dict(record["measured"]))) == record["holds"]
+
+
+def _plain(value):
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return float(value)
