@@ -1,35 +1,37 @@
-"""Every lesson runs top to bottom, and every verdict it prints is what its measurements say.
+"""Every lesson says only what it measured: its verdicts come from code, and its last cell checks them.
 
-This is how the lessons run in the suite (nbval runs the solutions): after the last cell, the
-kernel hands back every ``kvlib.course.verdicts.verdict`` the lesson printed, and each recorded
-rule is evaluated again on the recorded values.
+nbval runs every lesson (pyproject.toml); this test makes sure each one prints its verdicts with
+``kvlib.course.verdicts.verdict`` and ends with ``check_verdicts()``, which evaluates every
+recorded rule again on the recorded values, so that run fails if a printed sentence and the
+numbers behind it disagree.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from kvlib.course.grading.execute import execute
-from kvlib.course.verdicts import holds_again
+from kvlib.course.verdicts import check_verdicts, holds_again, recorded, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-REPORT = "import json\nfrom kvlib.course.verdicts import recorded\nprint('VERDICTS' + json.dumps(recorded()))"
+LAST_CELL = "from kvlib.course.verdicts import check_verdicts\ncheck_verdicts()"
 
 
-def run_lesson(path: Path) -> list[dict]:
-    nb = nbformat.read(path, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(REPORT))
-    execute(nb, path.parent, allow_errors=False)
-    printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
-    return json.loads(printed.split("VERDICTS", 1)[1])
+def test_a_verdict_prints_what_the_numbers_say_and_is_checked_again(capsys):
+    assert verdict("swap_s < recompute_s", "swap won ({swap_s} s)", "recompute won ({recompute_s} s)",
+                   swap_s=2.0, recompute_s=1.5) is False
+    assert capsys.readouterr().out == "recompute won (1.5 s)\n"
+    record = recorded()[-1]
+    assert holds_again(record)
+    forged = dict(record, holds=True)  # a notebook that printed the other sentence
+    assert not holds_again(forged)
+    check_verdicts()
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
-def test_the_lesson_runs_and_says_what_it_measured(lesson):
-    verdicts = run_lesson(lesson)
-    wrong = [v for v in verdicts if not holds_again(v)]
-    assert not wrong, f"{lesson.name}: printed verdicts their own measurements contradict: {wrong}"
+def test_the_lesson_prints_its_verdicts_from_code_and_checks_them_last(lesson):
+    code = [c.source for c in nbformat.read(lesson, as_version=4).cells if c.cell_type == "code"]
+    assert code[-1] == LAST_CELL, f"{lesson.name}: the last code cell must be {LAST_CELL!r}"
+    assert any("verdict(" in source for source in code), f"{lesson.name}: no verdict printed from measurements"

@@ -1,9 +1,10 @@
 """Verdicts a lesson prints from what it measured, never typed into its text.
 
 ``verdict(rule, when_true, when_false, **measured)`` evaluates ``rule`` (an expression over the
-measured values), prints the sentence the measurements support, and records what it said. The
-lesson test runs every lesson and evaluates each recorded rule again on the recorded values, so
-a sentence can only ever say what the numbers on this machine show.
+measured values), prints the sentence the measurements support, and records what it said. Every
+lesson ends with ``check_verdicts()``, which evaluates each recorded rule again on the recorded
+values (the suite runs every lesson under nbval), so a sentence can only ever say what the
+numbers on this machine show.
 """
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def verdict(rule: str, when_true: str, when_false: str, **measured) -> bool:
 def recorded() -> list[dict[str, Any]]:
     """Every verdict printed in this process, in order."""
     return list(_RECORDED)
+
+
+def check_verdicts() -> None:
+    """The last cell of every lesson: each verdict printed above agrees with the numbers it came from."""
+    wrong = [r for r in _RECORDED if not holds_again(r)]
+    if wrong:
+        raise AssertionError(f"verdicts their own measurements contradict: {wrong}")
+    print(f"{len(_RECORDED)} verdict(s) in this lesson, each printed from this run's measurements")
 
 
 def holds_again(record: dict[str, Any]) -> bool:
