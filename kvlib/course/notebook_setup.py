@@ -1,9 +1,12 @@
 """The first cell of every notebook, and the one line it prints about where kvlib runs.
 
 The cell must work before kvlib can be imported: in a clone it puts the repository root on
-``sys.path`` (so the clone's kvlib wins over any installed copy), and in Colab, where there is
-no clone, it installs kvlib from :data:`REPO_URL`. Because that code cannot live in the package
-it loads, its text is :data:`FIRST_CELL`, and a test keeps every notebook's first cell equal to it.
+``sys.path`` (so the clone's kvlib wins over any installed copy); elsewhere (Colab, a fresh
+environment) it installs kvlib only if it does not import yet, from one configurable place: the
+``KVLIB_SOURCE`` environment variable if set (a wheel, a folder, ``git+URL``), else
+:data:`DEFAULT_SOURCE`. Because that code cannot live in the package it loads, its text is
+:data:`FIRST_CELL`, and a test keeps every notebook's first cell equal to it (``kvlib make-labs``
+and :func:`sync_first_cells` write it).
 """
 from __future__ import annotations
 
@@ -12,15 +15,33 @@ from pathlib import Path
 import kvlib
 from kvlib.device import choose_attention_backend, resolve_device
 
-REPO_URL = "https://github.com/kvlib-course/kvlib"
+DEFAULT_SOURCE = "git+https://github.com/kvlib-course/kvlib"  # where the course's kvlib is published
 
 FIRST_CELL = f"""\
-# Setup, the same in every notebook: kvlib from this clone, or installed from GitHub in Colab.
-import pathlib, subprocess, sys
+# Setup, the same in every notebook: kvlib from this clone, else the installed kvlib, else install it once.
+import importlib, importlib.util, os, pathlib, subprocess, sys
 root = next((p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "kvlib" / "course" / "notebook_setup.py").is_file()), None)
-if root is None and "google.colab" in sys.modules: subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+{REPO_URL}"], check=True)
 sys.path[:0] = [str(root)] if root else []
+if importlib.util.find_spec("kvlib") is None:
+    source = os.environ.get("KVLIB_SOURCE", "{DEFAULT_SOURCE}")
+    print(f"installing kvlib from {{source}}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
+    importlib.invalidate_caches()
 from kvlib.course.notebook_setup import setup; setup()"""
+
+
+def sync_first_cells(paths) -> list:
+    """Make the first code cell of each notebook :data:`FIRST_CELL`; return the notebooks changed."""
+    import nbformat
+    changed = []
+    for path in paths:
+        nb = nbformat.read(str(path), as_version=4)
+        first = next((c for c in nb.cells if c.cell_type == "code"), None)
+        if first is not None and first.source != FIRST_CELL:
+            first.source = FIRST_CELL
+            nbformat.write(nb, str(path))
+            changed.append(path)
+    return changed
 
 
 def setup() -> None:
