@@ -62,14 +62,15 @@ def best_in_turns(fns: Sequence[Callable[[], object]], device: torch.device, rep
 def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, int]]) -> Callable[[], torch.Tensor]:
     """A forward pass over packed ``(new tokens, cached tokens)`` sequences, their blocks one after another in ``pool``.
 
-    The cached K/V are whatever the pool holds: attention costs the same whatever the numbers.
+    The cached K/V are whatever the pool holds, and a pass longer than the pool wraps around it:
+    attention costs the same whatever the numbers it reads.
     """
     device, block_size = pool.device, pool.spec.block_size
     ids, positions, slots, context_lens, query_start, tables = [], [], [], [], [0], []
     next_block = 0
     for num_new, num_cached in sequences:
         length = num_new + num_cached
-        blocks = list(range(next_block, next_block + -(-length // block_size)))
+        blocks = [(next_block + i) % pool.num_blocks for i in range(-(-length // block_size))]
         next_block += len(blocks)
         ids.extend((7 * p + 3) % model.config.vocab_size for p in range(num_cached, length))
         positions.extend(range(num_cached, length))
@@ -77,8 +78,6 @@ def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, i
         context_lens.append(length)
         query_start.append(query_start[-1] + num_new)
         tables.append(blocks)
-    if next_block > pool.num_blocks:
-        raise ValueError(f"the pass needs {next_block} blocks but the pool has {pool.num_blocks}")
     width = max(map(len, tables))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -118,11 +117,12 @@ class ForwardTimings:
     """Best wall seconds of the probe's passes, and the fit of the cost model's forward terms to them."""
 
     batch: int  # decode tokens in the probe's batch
+    small: int  # tokens of its smallest prefill: one block
     q: int  # tokens of its prefill chunk
     context: int  # cached tokens behind the chunk that measures attention
     one: float  # one decode token alone
     alone: float  # the decode batch alone
-    with_two: float  # the batch with a 2-token prefill
+    with_small: float  # the batch with a prefill of `small` tokens
     with_q: float  # ... with a q-token prefill
     with_2q: float  # ... with a 2q-token prefill
     with_q_behind: float  # ... with a q-token prefill behind `context` cached tokens
@@ -136,17 +136,17 @@ class ForwardTimings:
         its arithmetic the q-token chunk added beyond the 2-token one; what the 2-token prefill adds
         beyond its share of the pass is its attention call.
         """
-        b, q = self.batch, self.q
+        b, small, q = self.batch, self.small, self.q
         per_pair = max(0.0, (self.with_q_behind - self.with_q) / (q * self.context)) if self.context else 0.0
         added = {n: t - self.alone - per_pair * attention_pairs(n)
-                 for n, t in ((2, self.with_two), (q, self.with_q), (2 * q, self.with_2q))}
+                 for n, t in ((small, self.with_small), (q, self.with_q), (2 * q, self.with_2q))}
         per_token = (added[2 * q] - added[q]) / q if added[2 * q] > added[q] else added[2 * q] / (2 * q)
         floor = self.one
-        hideable = min(floor, (b + q) * per_token) - min(floor, (b + 2) * per_token)
-        unhidden = (added[q] - added[2]) / ((q - 2) * per_token) if q > 2 else 1.0
-        overlap = 1.0 if hideable <= 0 else min(1.0, max(0.0, (1 - unhidden) * (q - 2) * per_token / hideable))
+        hideable = min(floor, (b + q) * per_token) - min(floor, (b + small) * per_token)
+        arithmetic = (q - small) * per_token
+        overlap = 1.0 if hideable <= 0 else min(1.0, max(0.0, (arithmetic - (added[q] - added[small])) / hideable))
         tokens_only = PreemptionCostModel(1.0, 1 / per_token, floor, overlap)
-        call = max(0.0, added[2] - (tokens_only.pass_seconds(b + 2) - tokens_only.pass_seconds(b)))
+        call = max(0.0, added[small] - (tokens_only.pass_seconds(b + small) - tokens_only.pass_seconds(b)))
         return dict(prefill_tokens_per_s=1 / per_token, floor_seconds=floor, overlap=overlap,
                     attention_seconds_per_pair=per_pair, attention_call_seconds=call)
 
@@ -158,20 +158,19 @@ def measure_cost_model(model, gpu_pool: KVCachePool, backend, num_batch: int = P
     leaves them, as in the engine. The prefill chunk q is doubled while doubling it does not
     yet nearly double what it adds to the batch: until then it rides on the weight reads.
     """
-    capacity = gpu_pool.num_blocks * gpu_pool.spec.block_size
-    batch = [(1, 0)] * max(1, min(num_batch, gpu_pool.num_blocks // 4))
-    room = capacity - len(batch) * gpu_pool.spec.block_size  # the batch's sequences take a block each
-    q = max(2, min(PROBE_TOKENS, room // 4))
+    batch = [(1, 0)] * num_batch
+    small = max(2, gpu_pool.spec.block_size)
+    q = max(2 * small, PROBE_TOKENS)
     copies = copy_probes(gpu_pool)
     while True:
-        context = max(0, min(room - q, MAX_PROBE_CONTEXT))
-        prefills = [[], [(2, 0)], [(q, 0)], [(2 * q, 0)], [(q, context)]]
+        context = max(1, min(MAX_PROBE_CONTEXT, model.config.max_position_embeddings - q))
+        prefills = [[], [(small, 0)], [(q, 0)], [(2 * q, 0)], [(q, context)]]
         fns = [forward_pass(model, gpu_pool, backend, [(1, 0)]),
                *(forward_pass(model, gpu_pool, backend, batch + p) for p in prefills), *copies]
         *passes, copy_one, copy_many = best_in_turns(fns, gpu_pool.device)
-        timings = ForwardTimings(len(batch), q, context, *passes)
+        timings = ForwardTimings(num_batch, small, q, context, *passes)
         compute_bound = timings.with_2q - timings.alone >= COMPUTE_BOUND_GROWTH * (timings.with_q - timings.alone)
-        if compute_bound or 4 * q > min(room, MAX_PROBE_TOKENS):
+        if compute_bound or 4 * q > MAX_PROBE_TOKENS:
             break
         q *= 2
     call, link = fit_copy(copy_one, copy_many, min(COPY_PROBE_BLOCKS, gpu_pool.num_blocks), gpu_pool.spec.block_bytes)
