@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -133,8 +133,9 @@ class ForwardTimings:
         Each prefill's cost is what it adds to the batch alone. Attention per pair is what the
         context adds to the same chunk; the arithmetic per token is the slope from q to 2q once
         attention is taken out; the floor is the one-token pass; the overlap is how much less than
-        its arithmetic the q-token chunk added beyond the 2-token one; what the 2-token prefill adds
-        beyond its share of the pass is its attention call.
+        its arithmetic the q-token chunk added beyond the one-block prefill (or, where both are past
+        the knee, the decode batch beyond one token); what the one-block prefill adds beyond its
+        share of the pass is its attention call.
         """
         b, small, q = self.batch, self.small, self.q
         per_pair = max(0.0, (self.with_q_behind - self.with_q) / (q * self.context)) if self.context else 0.0
@@ -142,13 +143,27 @@ class ForwardTimings:
                  for n, t in ((small, self.with_small), (q, self.with_q), (2 * q, self.with_2q))}
         per_token = (added[2 * q] - added[q]) / q if added[2 * q] > added[q] else added[2 * q] / (2 * q)
         floor = self.one
-        hideable = min(floor, (b + q) * per_token) - min(floor, (b + small) * per_token)
-        arithmetic = (q - small) * per_token
-        overlap = 1.0 if hideable <= 0 else min(1.0, max(0.0, (arithmetic - (added[q] - added[small])) / hideable))
+        overlap = _overlap(floor, per_token, (b + small, added[small]), (b + q, added[q]))
+        if overlap is None:  # both prefills are past the knee: read the overlap off the decode batch instead
+            overlap = _overlap(floor, per_token, (1, self.one), (b, self.alone))
+        if overlap is None:  # nothing hides below the knee either, so the overlap changes no price
+            overlap = 1.0
         tokens_only = PreemptionCostModel(1.0, 1 / per_token, floor, overlap)
         call = max(0.0, added[small] - (tokens_only.pass_seconds(b + small) - tokens_only.pass_seconds(b)))
         return dict(prefill_tokens_per_s=1 / per_token, floor_seconds=floor, overlap=overlap,
                     attention_seconds_per_pair=per_pair, attention_call_seconds=call)
+
+
+def _overlap(floor: float, per_token: float, fewer: tuple[int, float], more: tuple[int, float]) -> Optional[float]:
+    """The overlap that makes ``more[0]`` tokens cost ``more[1] - fewer[1]`` seconds more than ``fewer[0]`` tokens.
+
+    None when under a tenth of the floor could hide between the two, too little to tell.
+    """
+    hideable = min(floor, more[0] * per_token) - min(floor, fewer[0] * per_token)
+    if hideable <= 0.1 * floor:
+        return None
+    arithmetic = (more[0] - fewer[0]) * per_token
+    return min(1.0, max(0.0, (arithmetic - (more[1] - fewer[1])) / hideable))
 
 
 def measure_cost_model(model, gpu_pool: KVCachePool, backend, num_batch: int = PROBE_BATCH) -> PreemptionCostModel:

@@ -90,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--file", type=Path, default=RUNS_PATH)
     args = parser.parse_args(argv)
-    run = measure_run(args.name, args.model)
+    run = measure_run(args.name, args.model, victim_lengths=VICTIM_LENGTHS, contexts=RETURNING_CONTEXTS)
     save_run(run, args.file)
     print(f"recorded {run.name!r} ({run.device}, {run.model}, {run.dtype}) in {args.file}")
 
