@@ -96,7 +96,7 @@ def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, i
 
 
 def copy_probes(gpu_pool: KVCachePool, num_blocks: int = COPY_PROBE_BLOCKS, seed: int = 0) -> tuple[Callable, Callable]:
-    """Batched copies of one block and of ``num_blocks`` blocks, scattered over the pool as a victim's are, to the host."""
+    """Batched copies to the host of one block and of ``num_blocks``, scattered over the pool as a victim's are."""
     num_blocks = max(1, min(num_blocks, gpu_pool.num_blocks))
     host = KVCachePool(gpu_pool.spec, num_blocks, "cpu", pin_memory=gpu_pool.device.type == "cuda")
     ids, host_ids = random.Random(seed).sample(range(gpu_pool.num_blocks), num_blocks), list(range(num_blocks))
@@ -215,7 +215,8 @@ def time_victims(runner, lengths: list[int], batch: int = 4, batch_context: int 
     fns = [forward_pass(runner.model, gpu, runner.backend, decode)]
     blocks = [-(-n // gpu.spec.block_size) for n in lengths]
     for n, num_blocks in zip(lengths, blocks):
-        device_ids, host_ids = rng.sample(range(gpu.num_blocks), num_blocks), rng.sample(range(cpu.num_blocks), num_blocks)
+        device_ids = rng.sample(range(gpu.num_blocks), num_blocks)
+        host_ids = rng.sample(range(cpu.num_blocks), num_blocks)
 
         def swap(device_ids=device_ids, host_ids=host_ids):
             copy_blocks_between(gpu, cpu, device_ids, host_ids)
@@ -244,7 +245,8 @@ def time_returning_turns(runner, contexts: list[int], new_tokens: int, repeats: 
     fns = []
     for context in contexts:
         num_blocks = context // gpu.spec.block_size
-        device_ids, host_ids = rng.sample(range(gpu.num_blocks), num_blocks), rng.sample(range(cpu.num_blocks), num_blocks)
+        device_ids = rng.sample(range(gpu.num_blocks), num_blocks)
+        host_ids = rng.sample(range(cpu.num_blocks), num_blocks)
 
         def copies(device_ids=device_ids, host_ids=host_ids):
             copy_blocks_between(gpu, cpu, device_ids, host_ids)  # an evicted prefix out

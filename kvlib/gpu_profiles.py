@@ -37,7 +37,7 @@ class ModelShape:
 
     @property
     def matmul_weights(self) -> int:
-        """Weights every token multiplies through: the layers' projections (the output head runs on sampled rows only)."""
+        """Weights every token multiplies: the layers' projections (the output head runs on sampled rows only)."""
         attention = 2 * self.hidden_size * self.num_heads * self.head_dim
         attention += 2 * self.hidden_size * self.num_kv_heads * self.head_dim
         return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
@@ -82,10 +82,11 @@ class GPUProfile:
     def cost_model(self, shape: ModelShape, assumptions: Assumptions, element_bytes: int = 2) -> PreemptionCostModel:
         """The cost model of serving a model of ``shape`` in ``element_bytes``-wide weights on this GPU."""
         flops = self.fp16_dense_tflops * 1e12 * assumptions.mfu
+        memory = self.memory_gb_per_s * 1e9 * assumptions.memory_share
         return PreemptionCostModel(
             host_link_bytes_per_s=self.host_link_gb_per_s * 1e9 * assumptions.link_share,
             prefill_tokens_per_s=flops / (2 * shape.matmul_weights),
-            floor_seconds=shape.weights_read_per_pass * element_bytes / (self.memory_gb_per_s * 1e9 * assumptions.memory_share),
+            floor_seconds=shape.weights_read_per_pass * element_bytes / memory,
             overlap=assumptions.overlap,
             attention_seconds_per_pair=shape.attention_flops_per_pair / flops,
             attention_call_seconds=assumptions.attention_call_seconds,

@@ -71,7 +71,7 @@ def test_recompute_range_ends():
 
 
 def test_recompute_range_in_the_middle():
-    """Attention calls dearer than two copy calls: the shortest victims swap, the middle recomputes, the longest swap."""
+    """Attention calls dearer than two copy calls: the shortest victims swap, the middle recompute, the longest swap."""
     cost = PreemptionCostModel(50e9, 1.8e6, floor_seconds=3e-3, overlap=1.0, attention_seconds_per_pair=1.75e-10,
                                attention_call_seconds=4e-4, copy_call_seconds=3e-5)
     span = cost.recompute_range(BLOCK, BLOCK_BYTES, 1, 1 << 15)

@@ -1,4 +1,4 @@
-"""The cost probe: its fits recover a known model from the timings that model predicts; its timers run on a real engine."""
+"""The cost probe: its fits recover a known model from the timings it predicts; its timers run on a real engine."""
 import pytest
 import torch
 
@@ -50,7 +50,8 @@ def test_the_copy_fit_recovers_call_cost_and_link_speed():
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
-    return LLM("default", EngineConfig(block_size=16, num_gpu_blocks=96, num_cpu_blocks=64), verbose=False).engine.runner
+    llm = LLM("default", EngineConfig(block_size=16, num_gpu_blocks=96, num_cpu_blocks=64), verbose=False)
+    return llm.engine.runner
 
 
 def test_a_probe_pass_computes_what_the_model_computes(tiny):

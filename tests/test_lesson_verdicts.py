@@ -96,8 +96,8 @@ def test_07_auto_did_what_its_prices_predicted(lesson07):
         elif run["predicted"] == "recompute":
             assert run["swapped"] == 0, label
         chose_recompute = run["recomputed"] - run["fallbacks"]
-        assert (f"{label}: auto chose swap {run['swapped'] + run['fallbacks']} times and recompute {chose_recompute} times"
-                in printed)
+        chose_swap = run["swapped"] + run["fallbacks"]
+        assert f"{label}: auto chose swap {chose_swap} times and recompute {chose_recompute} times" in printed
 
 
 def test_07_mistakes_conclude_from_their_tables(lesson07):
@@ -105,8 +105,10 @@ def test_07_mistakes_conclude_from_their_tables(lesson07):
     rows = evidence["block by block"]
     assert verdicts["block by block loses to recompute at"] == [
         r["block size"] for r in rows if r["block by block ms"] > r["recompute ms"]]
-    assert verdicts["batched loses to recompute at"] == [r["block size"] for r in rows if r["batched ms"] > r["recompute ms"]]
-    assert verdicts["own pass overcharges here"] == all(r["on its own ms"] > r["in the batch ms"] for r in evidence["own pass"])
+    assert verdicts["batched loses to recompute at"] == [
+        r["block size"] for r in rows if r["batched ms"] > r["recompute ms"]]
+    assert verdicts["own pass overcharges here"] == all(
+        r["on its own ms"] > r["in the batch ms"] for r in evidence["own pass"])
     per_token = [r["measured us/token"] for r in evidence["per token"]]
     assert verdicts["per-token recompute grows"] == (per_token[-1] > min(per_token))
 
@@ -152,8 +154,8 @@ def test_09_each_machines_crossover_and_its_sentence(lesson09):
     verdicts, evidence, printed = lesson09
     for machine, entry in evidence["machines"].items():
         cost = cost_of(entry)
-        found = [c for c in range(BLOCK, entry["limit"] + 1, BLOCK)
-                 if returning_prices(cost, c, entry["block_bytes"])[1] < returning_prices(cost, c, entry["block_bytes"])[0]]
+        prices = {c: returning_prices(cost, c, entry["block_bytes"]) for c in range(BLOCK, entry["limit"] + 1, BLOCK)}
+        found = [c for c, (recompute, host) in prices.items() if host < recompute]
         if found:
             assert found == list(range(found[0], entry["limit"] + 1, BLOCK)), f"{machine}: the curves cross twice"
         expected = found[0] if found else None
@@ -169,8 +171,8 @@ def test_09_walk_through_verdicts_follow_from_its_table(lesson09):
     verdicts, evidence, _ = lesson09
     runs = walk_through(evidence)
     lengths = sorted({n for _, n in runs})
-    assert verdicts["device-only found nothing"] == all(
-        runs["device-only prefix cache", n]["recomputed"] == runs["device-only prefix cache", n]["context"] for n in lengths)
+    device_only = [runs["device-only prefix cache", n] for n in lengths]
+    assert verdicts["device-only found nothing"] == all(r["recomputed"] == r["context"] for r in device_only)
     assert verdicts["host tier copied every full block"] == all(
         runs["host tier", n]["copied back"] == runs["host tier", n]["context"] // BLOCK * BLOCK for n in lengths)
     for name in ("no prefix caching", "host tier"):
@@ -184,8 +186,8 @@ def test_09_walk_through_verdicts_follow_from_its_table(lesson09):
 def test_09_mistakes_conclude_from_their_tables(lesson09):
     verdicts, evidence, printed = lesson09
     for row in evidence["tier sizes"]:
-        assert verdicts["tier sizes"][str(row["host blocks"])] == {
-            "block 0 on host": row["block 0 on host"], "copied back": row["copied back"], "recomputed": row["recomputed"]}
+        keys = ("block 0 on host", "copied back", "recomputed")
+        assert verdicts["tier sizes"][str(row["host blocks"])] == {key: row[key] for key in keys}
         line = printed_line(printed, f"a tier of {row['host blocks']} blocks: ")
         assert ("found nothing" in line) == (row["copied back"] == 0)
     tier = next(r for r in evidence["one-off traffic"] if r["mode"] == "host tier")
