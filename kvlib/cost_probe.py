@@ -1,24 +1,37 @@
-"""Measure, on this machine, the two constants of the swap-or-recompute cost model.
+"""Measure, on this machine, the constants of the preemption cost model, and time real victims.
 
-``auto`` preemption compares moving a victim's blocks over the host link with prefilling its
-tokens again. Both speeds depend on the hardware and the model, so they are measured once at
-start-up, while the pools are still empty, rather than assumed.
+``auto`` preemption prices a swap as copies over the host link and a recompute as what the
+victim's tokens add to a forward pass (:class:`~kvlib.cost_model.PreemptionCostModel`). Every
+constant depends on the hardware and the model, so the engine measures them once at start-up,
+while the pools are still empty, rather than assume them. Timings run at the current torch thread
+count, which is what the engine will run at; each is the best of a few runs taken in turns with
+the others, because load from other processes only ever adds time and falls on all alike.
 """
 from __future__ import annotations
 
-import statistics
+import random
 import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from kvlib.attention.metadata import AttentionMetadata
+from kvlib.cost_model import PreemptionCostModel, attention_pairs
 from kvlib.kv_cache import KVCachePool, copy_blocks_between
-from kvlib.preemption import PreemptionCostModel
 
-PROBE_TOKENS = 256
+PROBE_TOKENS = 64  # the first prefill chunk the forward probe times
+MAX_PROBE_TOKENS = 4096
+MAX_PROBE_CONTEXT = 2048  # cached tokens behind the chunk that measures attention
+COPY_PROBE_BLOCKS = 32
+PROBE_BATCH = 8  # decode sequences in the probe's batch
+REPEATS = 3  # rounds at least; more while a round is quick, up to MIN_SECONDS of timing or MAX_ROUNDS
+MIN_SECONDS = 0.5
+MAX_ROUNDS = 50
+COMPUTE_BOUND_GROWTH = 1.6  # a pass this much slower with twice the tokens is mostly arithmetic
 
 
-def time_once(fn, device: torch.device) -> float:
+def time_once(fn: Callable[[], object], device: torch.device) -> float:
     """Wall seconds of one call of ``fn``, the GPU waited for before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -29,37 +42,217 @@ def time_once(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def _timed(fn, device: torch.device, repeats: int = 3) -> float:
-    fn()  # warm-up
-    return statistics.median(time_once(fn, device) for _ in range(repeats))
+def best_in_turns(fns: Sequence[Callable[[], object]], device: torch.device, repeats: int = REPEATS,
+                  min_seconds: float = MIN_SECONDS) -> list[float]:
+    """The least wall seconds of each of ``fns`` over rounds that run them in turns, after a warm-up.
+
+    At least ``repeats`` rounds, and more while they have taken under ``min_seconds`` (at most
+    ``MAX_ROUNDS``): quick calls are the noisiest, and cost little to repeat.
+    """
+    for fn in fns:
+        fn()
+    best, rounds, start = [float("inf")] * len(fns), 0, time.perf_counter()
+    while rounds < repeats or (time.perf_counter() - start < min_seconds and rounds < MAX_ROUNDS):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], time_once(fn, device))
+        rounds += 1
+    return best
 
 
-def measure_host_link(gpu_pool: KVCachePool, num_blocks: int) -> float:
-    """Bytes per second of a batched copy of ``num_blocks`` device blocks to (pinned) host memory."""
-    host = KVCachePool(gpu_pool.spec, num_blocks, "cpu", pin_memory=gpu_pool.device.type == "cuda")
-    ids = list(range(num_blocks))
-    seconds = _timed(lambda: copy_blocks_between(gpu_pool, host, ids, ids), gpu_pool.device)
-    return num_blocks * gpu_pool.spec.block_bytes / seconds
+def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, int]]) -> Callable[[], torch.Tensor]:
+    """A forward pass over packed ``(new tokens, cached tokens)`` sequences, their blocks one after another in ``pool``.
 
-
-def measure_prefill(model, gpu_pool: KVCachePool, backend, num_tokens: int) -> float:
-    """Tokens per second of one prefill of ``num_tokens`` tokens written into the (empty) pool."""
-    device, block_size = gpu_pool.device, gpu_pool.spec.block_size
-    num_blocks = -(-num_tokens // block_size)
-    ids = torch.randint(0, model.config.vocab_size, (num_tokens,), device=device)
-    positions = torch.arange(num_tokens, device=device)
+    The cached K/V are whatever the pool holds, and a pass longer than the pool wraps around it:
+    attention costs the same whatever the numbers it reads.
+    """
+    device, block_size = pool.device, pool.spec.block_size
+    ids, positions, slots, context_lens, query_start, tables = [], [], [], [], [0], []
+    next_block = 0
+    for num_new, num_cached in sequences:
+        length = num_new + num_cached
+        blocks = [(next_block + i) % pool.num_blocks for i in range(-(-length // block_size))]
+        next_block += len(blocks)
+        ids.extend((7 * p + 3) % model.config.vocab_size for p in range(num_cached, length))
+        positions.extend(range(num_cached, length))
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(num_cached, length))
+        context_lens.append(length)
+        query_start.append(query_start[-1] + num_new)
+        tables.append(blocks)
+    width = max(map(len, tables))
     meta = AttentionMetadata(
-        slot_mapping=positions.clone(), block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-        context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        max_query_len=num_tokens, max_context_len=num_tokens)
-    last = torch.tensor([num_tokens - 1], device=device)
-    seconds = _timed(lambda: model(ids, positions, gpu_pool, meta, backend, last), device, repeats=2)
-    return num_tokens / seconds
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+        max_query_len=max(n for n, _ in sequences), max_context_len=max(context_lens))
+    ids_t = torch.tensor(ids, dtype=torch.long, device=device)
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    last = torch.tensor(query_start[1:], dtype=torch.long, device=device) - 1
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            return model(ids_t, positions_t, pool, meta, backend, last)
+    return run
 
 
-def measure_cost_model(model, gpu_pool: KVCachePool, backend) -> PreemptionCostModel:
-    num_tokens = min(PROBE_TOKENS, gpu_pool.num_blocks * gpu_pool.spec.block_size)
-    num_blocks = max(1, min(gpu_pool.num_blocks, num_tokens // gpu_pool.spec.block_size))
-    return PreemptionCostModel(host_link_bytes_per_s=measure_host_link(gpu_pool, num_blocks),
-                               prefill_tokens_per_s=measure_prefill(model, gpu_pool, backend, num_tokens))
+def copy_probes(gpu_pool: KVCachePool, num_blocks: int = COPY_PROBE_BLOCKS, seed: int = 0) -> tuple[Callable, Callable]:
+    """Batched copies to the host of one block and of ``num_blocks``, scattered over the pool as a victim's are."""
+    num_blocks = max(1, min(num_blocks, gpu_pool.num_blocks))
+    host = KVCachePool(gpu_pool.spec, num_blocks, "cpu", pin_memory=gpu_pool.device.type == "cuda")
+    ids, host_ids = random.Random(seed).sample(range(gpu_pool.num_blocks), num_blocks), list(range(num_blocks))
+    return (lambda: copy_blocks_between(gpu_pool, host, ids[:1], host_ids[:1]),
+            lambda: copy_blocks_between(gpu_pool, host, ids, host_ids))
+
+
+def fit_copy(one: float, many: float, num_blocks: int, block_bytes: int) -> tuple[float, float]:
+    """``(seconds per batched copy call, host-link bytes per second)`` from copies of 1 and ``num_blocks`` blocks."""
+    if num_blocks == 1 or many <= one:
+        return 0.0, num_blocks * block_bytes / many
+    per_block = (many - one) / (num_blocks - 1)
+    return max(0.0, one - per_block), block_bytes / per_block
+
+
+@dataclass
+class ForwardTimings:
+    """Best wall seconds of the probe's passes, and the fit of the cost model's forward terms to them."""
+
+    batch: int  # decode tokens in the probe's batch
+    small: int  # tokens of its smallest prefill: one block
+    q: int  # tokens of its prefill chunk
+    context: int  # cached tokens behind the chunk that measures attention
+    one: float  # one decode token alone
+    alone: float  # the decode batch alone
+    with_small: float  # the batch with a prefill of `small` tokens
+    with_q: float  # ... with a q-token prefill
+    with_2q: float  # ... with a 2q-token prefill
+    with_q_behind: float  # ... with a q-token prefill behind `context` cached tokens
+
+    def fit(self) -> dict:
+        """``PreemptionCostModel`` keyword arguments for the forward pass.
+
+        Each prefill's cost is what it adds to the batch alone. Attention per pair is what the
+        context adds to the same chunk; the arithmetic per token is the slope from q to 2q once
+        attention is taken out; the floor is the one-token pass; the overlap is how much less than
+        its arithmetic the q-token chunk added beyond the one-block prefill (or, where both are past
+        the knee, the decode batch beyond one token); what the one-block prefill adds beyond its
+        share of the pass is its attention call.
+        """
+        b, small, q = self.batch, self.small, self.q
+        per_pair = max(0.0, (self.with_q_behind - self.with_q) / (q * self.context)) if self.context else 0.0
+        added = {n: t - self.alone - per_pair * attention_pairs(n)
+                 for n, t in ((small, self.with_small), (q, self.with_q), (2 * q, self.with_2q))}
+        per_token = (added[2 * q] - added[q]) / q if added[2 * q] > added[q] else added[2 * q] / (2 * q)
+        floor = self.one
+        overlap = _overlap(floor, per_token, (b + small, added[small]), (b + q, added[q]))
+        if overlap is None:  # both prefills are past the knee: read the overlap off the decode batch instead
+            overlap = _overlap(floor, per_token, (1, self.one), (b, self.alone))
+        if overlap is None:  # nothing hides below the knee either, so the overlap changes no price
+            overlap = 1.0
+        tokens_only = PreemptionCostModel(1.0, 1 / per_token, floor, overlap)
+        call = max(0.0, added[small] - (tokens_only.pass_seconds(b + small) - tokens_only.pass_seconds(b)))
+        return dict(prefill_tokens_per_s=1 / per_token, floor_seconds=floor, overlap=overlap,
+                    attention_seconds_per_pair=per_pair, attention_call_seconds=call)
+
+
+def _overlap(floor: float, per_token: float, fewer: tuple[int, float], more: tuple[int, float]) -> Optional[float]:
+    """The overlap that makes ``more[0]`` tokens cost ``more[1] - fewer[1]`` seconds more than ``fewer[0]`` tokens.
+
+    None when under a tenth of the floor could hide between the two, too little to tell.
+    """
+    hideable = min(floor, more[0] * per_token) - min(floor, fewer[0] * per_token)
+    if hideable <= 0.1 * floor:
+        return None
+    arithmetic = (more[0] - fewer[0]) * per_token
+    return min(1.0, max(0.0, (arithmetic - (more[1] - fewer[1])) / hideable))
+
+
+def measure_cost_model(model, gpu_pool: KVCachePool, backend, num_batch: int = PROBE_BATCH) -> PreemptionCostModel:
+    """Every constant of the cost model, measured in this engine's pool, on its model and backend.
+
+    The passes and the copies are timed in turns, so a copy finds the caches as a forward pass
+    leaves them, as in the engine. The prefill chunk q is doubled while doubling it does not
+    yet nearly double what it adds to the batch: until then it rides on the weight reads.
+    """
+    batch = [(1, 0)] * num_batch
+    small = max(2, gpu_pool.spec.block_size)
+    q = max(2 * small, PROBE_TOKENS)
+    copies = copy_probes(gpu_pool)
+    while True:
+        context = max(1, min(MAX_PROBE_CONTEXT, model.config.max_position_embeddings - q))
+        prefills = [[], [(small, 0)], [(q, 0)], [(2 * q, 0)], [(q, context)]]
+        fns = [forward_pass(model, gpu_pool, backend, [(1, 0)]),
+               *(forward_pass(model, gpu_pool, backend, batch + p) for p in prefills), *copies]
+        *passes, copy_one, copy_many = best_in_turns(fns, gpu_pool.device)
+        timings = ForwardTimings(num_batch, small, q, context, *passes)
+        compute_bound = timings.with_2q - timings.alone >= COMPUTE_BOUND_GROWTH * (timings.with_q - timings.alone)
+        if compute_bound or 4 * q > MAX_PROBE_TOKENS:
+            break
+        q *= 2
+    call, link = fit_copy(copy_one, copy_many, min(COPY_PROBE_BLOCKS, gpu_pool.num_blocks), gpu_pool.spec.block_bytes)
+    return PreemptionCostModel(host_link_bytes_per_s=link, copy_call_seconds=call, **timings.fit())
+
+
+@dataclass
+class VictimTiming:
+    """What preempting one victim of ``num_tokens`` tokens cost, measured both ways."""
+
+    num_tokens: int
+    num_blocks: int
+    swap_seconds: float  # its scattered blocks copied out to the host pool and back in, one batched copy each way
+    recompute_seconds: float  # what its prefill added to a pass carrying the decode batch
+
+
+def time_victims(runner, lengths: list[int], batch: int = 4, batch_context: int = 64, repeats: int = REPEATS,
+                 min_seconds: float = MIN_SECONDS, seed: int = 0) -> list[VictimTiming]:
+    """Preempt victims of each length both ways in ``runner``'s own pools, in turns with the decode batch alone.
+
+    The decode batch is ``batch`` sequences of ``batch_context`` cached tokens; a victim's recompute
+    is its prefill packed into that batch's pass, minus the pass without it.
+    """
+    rng = random.Random(seed)
+    gpu, cpu, device = runner.gpu_pool, runner.cpu_pool, runner.device
+    decode = [(1, batch_context)] * batch
+    fns = [forward_pass(runner.model, gpu, runner.backend, decode)]
+    blocks = [-(-n // gpu.spec.block_size) for n in lengths]
+    for n, num_blocks in zip(lengths, blocks):
+        device_ids = rng.sample(range(gpu.num_blocks), num_blocks)
+        host_ids = rng.sample(range(cpu.num_blocks), num_blocks)
+
+        def swap(device_ids=device_ids, host_ids=host_ids):
+            copy_blocks_between(gpu, cpu, device_ids, host_ids)
+            copy_blocks_between(cpu, gpu, host_ids, device_ids)
+        fns += [swap, forward_pass(runner.model, gpu, runner.backend, decode + [(n, 0)])]
+    times = best_in_turns(fns, device, repeats, min_seconds)
+    alone = times[0]
+    return [VictimTiming(n, b, swap_s, with_victim - alone)
+            for n, b, swap_s, with_victim in zip(lengths, blocks, times[1::2], times[2::2])]
+
+
+@dataclass
+class ReturningTiming:
+    """A conversation of ``context`` tokens returning with new ones: its prefix prefilled again, or copied back."""
+
+    context: int
+    recompute_seconds: float  # one pass over the context and the new tokens
+    copy_back_seconds: float  # its blocks copied back (and as many evicted blocks out), then a pass over the new tokens
+
+
+def time_returning_turns(runner, contexts: list[int], new_tokens: int, repeats: int = REPEATS,
+                         min_seconds: float = MIN_SECONDS, seed: int = 0) -> list[ReturningTiming]:
+    """Serve each returning turn both ways in ``runner``'s own pools, every pass and copy in turns with the others."""
+    rng = random.Random(seed)
+    gpu, cpu = runner.gpu_pool, runner.cpu_pool
+    fns = []
+    for context in contexts:
+        num_blocks = context // gpu.spec.block_size
+        device_ids = rng.sample(range(gpu.num_blocks), num_blocks)
+        host_ids = rng.sample(range(cpu.num_blocks), num_blocks)
+
+        def copies(device_ids=device_ids, host_ids=host_ids):
+            copy_blocks_between(gpu, cpu, device_ids, host_ids)  # an evicted prefix out
+            copy_blocks_between(cpu, gpu, host_ids, device_ids)  # the returning one in
+        fns += [forward_pass(runner.model, gpu, runner.backend, [(context + new_tokens, 0)]), copies,
+                forward_pass(runner.model, gpu, runner.backend, [(new_tokens, context)])]
+    times = best_in_turns(fns, runner.device, repeats, min_seconds)
+    return [ReturningTiming(c, recompute, copy + new) for c, recompute, copy, new in
+            zip(contexts, times[0::3], times[1::3], times[2::3])]

@@ -12,26 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from kvlib.cost_model import PreemptionCostModel
 from kvlib.sequence import Sequence
 
-
-@dataclass
-class PreemptionCostModel:
-    """Seconds each option costs for one victim; ``auto`` picks the cheaper.
-
-    swap:      the blocks cross the host link twice (out, then back in):
-               ``2 * num_blocks * block_bytes / host_link_bytes_per_s``
-    recompute: the dropped tokens are prefilled again: ``num_tokens / prefill_tokens_per_s``
-    """
-
-    host_link_bytes_per_s: float
-    prefill_tokens_per_s: float
-
-    def swap_seconds(self, num_blocks: int, block_bytes: int) -> float:
-        return 2 * num_blocks * block_bytes / self.host_link_bytes_per_s
-
-    def recompute_seconds(self, num_tokens: int) -> float:
-        return num_tokens / self.prefill_tokens_per_s
+__all__ = ["LatestArrivalPolicy", "PreemptionContext", "PreemptionCostModel", "SparingPolicy", "VictimCandidate"]
 
 
 @dataclass
@@ -60,6 +44,7 @@ class PreemptionContext:
     block_bytes: int
     host_free_blocks: int
     cost_model: Optional[PreemptionCostModel] = None  # the engine's measured one, in auto mode
+    batch_tokens: int = 1  # tokens the step a recompute joins carries anyway: the running decode batch
 
 
 class LatestArrivalPolicy:
@@ -81,9 +66,9 @@ class LatestArrivalPolicy:
         return candidates[-1]
 
     def choose_mode(self, victim: VictimCandidate, context: PreemptionContext) -> str:
+        """The cheaper option by the cost model (see :class:`~kvlib.cost_model.PreemptionCostModel`)."""
         cost = self.cost_model or context.cost_model
-        swap = cost.swap_seconds(context.num_host_blocks, context.block_bytes)
-        return "swap" if swap < cost.recompute_seconds(context.num_tokens) else "recompute"
+        return cost.choose(context.num_host_blocks, context.block_bytes, context.num_tokens, context.batch_tokens)
 
 
 class SparingPolicy(LatestArrivalPolicy):

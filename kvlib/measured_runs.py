@@ -1,0 +1,99 @@
+"""Cost-model figures measured on real machines, dated and named, so a lesson can show them beside its own.
+
+Record a run on the machine itself (a GPU, say) with::
+
+    python -m kvlib.measured_runs --name "H200 SXM, <where>"
+
+It measures the cost model as ``preemption_mode="auto"`` does at start-up, times victims both ways
+and returning conversations both ways with the same functions the lessons use, and appends the
+result to ``kvlib/assets/measured_costs.json``. Lessons 07 and 09 plot every recorded run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kvlib import LLM, EngineConfig
+from kvlib.cost_model import PreemptionCostModel
+from kvlib.cost_probe import ReturningTiming, VictimTiming, time_returning_turns, time_victims
+
+RUNS_PATH = Path(__file__).resolve().parent / "assets" / "measured_costs.json"
+VICTIM_LENGTHS = [16, 64, 256, 1024, 4096]
+RETURNING_CONTEXTS = [64, 256, 1024, 4096]
+NEW_TOKENS = 40  # a returning turn's reply and new text, as in lesson 09
+BATCH = 4  # decode sequences a recomputed victim joins
+
+
+@dataclass
+class MeasuredRun:
+    name: str
+    date: str  # ISO date of the run
+    device: str
+    model: str
+    dtype: str
+    block_size: int
+    block_bytes: int
+    threads: int  # torch's thread count during the run
+    torch_version: str
+    cost_model: PreemptionCostModel  # measured as auto mode measures it
+    batch: int
+    victims: list[VictimTiming]
+    new_tokens: int
+    returning: list[ReturningTiming]
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "MeasuredRun":
+        return cls(**{**raw, "cost_model": PreemptionCostModel(**raw["cost_model"]),
+                      "victims": [VictimTiming(**v) for v in raw["victims"]],
+                      "returning": [ReturningTiming(**r) for r in raw["returning"]]})
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+
+
+def measure_run(name: str, model: str = "smollm2-135m", block_size: int = 16, victim_lengths=VICTIM_LENGTHS,
+                contexts=RETURNING_CONTEXTS) -> MeasuredRun:
+    """Measure this machine: the engine's own probe, then victims and returning turns in its pools."""
+    blocks = 2 * (max([*victim_lengths, *contexts]) + NEW_TOKENS) // block_size + 64
+    llm = LLM(model, EngineConfig(block_size=block_size, num_gpu_blocks=blocks, num_cpu_blocks=blocks,
+                                  preemption_mode="auto"), verbose=False)
+    engine, runner = llm.engine, llm.engine.runner
+    return MeasuredRun(name=name, date=datetime.date.today().isoformat(), device=device_name(engine.device),
+                       model=model, dtype=str(engine.dtype).removeprefix("torch."), block_size=block_size,
+                       block_bytes=runner.spec.block_bytes, threads=torch.get_num_threads(),
+                       torch_version=torch.__version__, cost_model=engine.cost_model, batch=BATCH,
+                       victims=time_victims(runner, list(victim_lengths), batch=BATCH), new_tokens=NEW_TOKENS,
+                       returning=time_returning_turns(runner, list(contexts), NEW_TOKENS))
+
+
+def load_runs(path: Path = RUNS_PATH) -> list[MeasuredRun]:
+    return [MeasuredRun.from_dict(raw) for raw in json.loads(Path(path).read_text())["runs"]]
+
+
+def save_run(run: MeasuredRun, path: Path = RUNS_PATH) -> None:
+    """Append ``run`` to the file of recorded runs."""
+    raw = json.loads(Path(path).read_text())
+    raw["runs"].append(asdict(run))
+    Path(path).write_text(json.dumps(raw, indent=2) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--name", required=True, help="what the machine is, e.g. 'H200 SXM, <provider>'")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--file", type=Path, default=RUNS_PATH)
+    args = parser.parse_args(argv)
+    run = measure_run(args.name, args.model, victim_lengths=VICTIM_LENGTHS, contexts=RETURNING_CONTEXTS)
+    save_run(run, args.file)
+    print(f"recorded {run.name!r} ({run.device}, {run.model}, {run.dtype}) in {args.file}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The cost probe: its fits recover a known model from the timings it predicts; its timers run on a real engine."""
+import pytest
+import torch
+
+from kvlib import LLM, EngineConfig
+from kvlib.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.cost_probe import (ForwardTimings, fit_copy, forward_pass, measure_cost_model, time_returning_turns,
+                              time_victims)
+
+BATCH, SMALL, CONTEXT = 8, 16, 1024
+
+
+def timings_of(truth: PreemptionCostModel, q: int) -> ForwardTimings:
+    """The probe's passes as ``truth`` prices them (the decode batch's own attention left out)."""
+    def with_prefill(n, cached=0):
+        return truth.pass_seconds(BATCH + n, attention_pairs(n, cached), num_prefills=1)
+    return ForwardTimings(BATCH, SMALL, q, CONTEXT, one=truth.pass_seconds(1), alone=truth.pass_seconds(BATCH),
+                          with_small=with_prefill(SMALL), with_q=with_prefill(q), with_2q=with_prefill(2 * q),
+                          with_q_behind=with_prefill(q, CONTEXT))
+
+
+@pytest.mark.parametrize("truth, q", [
+    # a GPU-like pass: the weight reads hide the first 150 tokens; the probe grows q past them
+    (PreemptionCostModel(1.0, prefill_tokens_per_s=30_000.0, floor_seconds=5e-3, overlap=1.0,
+                         attention_seconds_per_pair=2e-9, attention_call_seconds=1e-4), 256),
+    # a CPU-core-like pass: reads and arithmetic add up, and a prefill's own attention calls cost
+    (PreemptionCostModel(1.0, prefill_tokens_per_s=20_000.0, floor_seconds=2.5e-3, overlap=0.0,
+                         attention_seconds_per_pair=6e-8, attention_call_seconds=8e-4), 64),
+    # a knee below the smallest prefill: the overlap shows only in the decode batch
+    (PreemptionCostModel(1.0, prefill_tokens_per_s=400.0, floor_seconds=0.06, overlap=0.3,
+                         attention_seconds_per_pair=1e-6, attention_call_seconds=0.0), 64),
+], ids=["roofline", "additive", "knee-below-one-block"])
+def test_the_forward_fit_recovers_the_model_that_made_the_timings(truth, q):
+    fit = timings_of(truth, q).fit()
+    # the floor is read off a one-token pass, which carries one token's arithmetic where the reads do not hide it
+    assert fit["floor_seconds"] == pytest.approx(truth.pass_seconds(1))
+    assert fit["prefill_tokens_per_s"] == pytest.approx(truth.prefill_tokens_per_s)
+    assert fit["attention_seconds_per_pair"] == pytest.approx(truth.attention_seconds_per_pair)
+    assert fit["overlap"] == pytest.approx(truth.overlap, abs=0.02)
+    assert fit["attention_call_seconds"] == pytest.approx(truth.attention_call_seconds, abs=1e-4 * truth.floor_seconds)
+
+
+def test_the_copy_fit_recovers_call_cost_and_link_speed():
+    call, link, block = 5e-5, 8e9, 737_280
+    one, many = call + block / link, call + 32 * block / link
+    assert fit_copy(one, many, 32, block) == pytest.approx((call, link))
+    assert fit_copy(one, one, 1, block) == pytest.approx((0.0, block / one))  # one block: everything is bytes
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    llm = LLM("default", EngineConfig(block_size=16, num_gpu_blocks=96, num_cpu_blocks=64), verbose=False)
+    return llm.engine.runner
+
+
+def test_a_probe_pass_computes_what_the_model_computes(tiny):
+    """The timed pass is a real forward pass: its logits for a prompt equal the model's own prefill's."""
+    logits = forward_pass(tiny.model, tiny.gpu_pool, tiny.backend, [(40, 0)])()
+    prompt = torch.tensor([(7 * p + 3) % tiny.model.config.vocab_size for p in range(40)])
+    from kvlib.attention.metadata import AttentionMetadata
+    meta = AttentionMetadata(slot_mapping=torch.arange(40), block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32),
+                             context_lens=torch.tensor([40], dtype=torch.int32),
+                             query_start=torch.tensor([0, 40], dtype=torch.int32), max_query_len=40, max_context_len=40)
+    with torch.inference_mode():
+        expected = tiny.model(prompt, torch.arange(40), tiny.gpu_pool, meta, tiny.backend, torch.tensor([39]))
+    torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.parametrize("num_gpu_blocks", [1, 16])
+def test_the_probe_measures_every_term_even_in_a_small_pool(num_gpu_blocks):
+    llm = LLM("default", EngineConfig(block_size=4, num_gpu_blocks=num_gpu_blocks, preemption_mode="auto"),
+              verbose=False)
+    cost = llm.engine.cost_model
+    assert cost == llm.engine.scheduler.cost_model
+    assert cost.host_link_bytes_per_s > 0 and cost.prefill_tokens_per_s > 0 and cost.floor_seconds > 0
+    assert 0.0 <= cost.overlap <= 1.0
+    assert min(cost.attention_seconds_per_pair, cost.attention_call_seconds, cost.copy_call_seconds) >= 0.0
+
+
+def test_victims_are_timed_both_ways(tiny):
+    victims = time_victims(tiny, [16, 40, 64], batch=2, repeats=1, min_seconds=0.0)
+    assert [(v.num_tokens, v.num_blocks) for v in victims] == [(16, 1), (40, 3), (64, 4)]
+    assert all(v.swap_seconds > 0 for v in victims)
+
+
+def test_returning_turns_are_timed_both_ways(tiny):
+    turns = time_returning_turns(tiny, [64, 256], new_tokens=40, repeats=1, min_seconds=0.0)
+    assert [t.context for t in turns] == [64, 256]
+    assert all(t.recompute_seconds > 0 and t.copy_back_seconds > 0 for t in turns)
+
+
+def test_measure_cost_model_uses_the_pools_it_is_given(tiny):
+    cost = measure_cost_model(tiny.model, tiny.gpu_pool, tiny.backend)
+    assert isinstance(cost, PreemptionCostModel) and cost.prefill_tokens_per_s > 0
