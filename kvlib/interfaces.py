@@ -159,10 +159,12 @@ class PreemptionMechanism(Protocol):
     new device blocks (``moves.swap_in``); ``drop(seq, count)`` lets go of the last ``count``
     device blocks and every host copy, returning the computed tokens lost. ``host_blocks_needed``
     says how many host blocks a swap-out would allocate. Use ``take()`` for a device block,
-    ``release(seq, count)`` to let go of device blocks, ``hold_host``/``free_host`` for host blocks
-    a move reads. Must keep true: every reference taken is released exactly once, and each move
-    reads what its source held when the step began. The engine guarantees the caller made room on
-    the host first and copies the moves before the step's forward pass, device to host first.
+    ``release(seq, count)`` to let go of device blocks, ``free_host`` to let go of a host block and
+    ``hold_host`` to keep one that a move of this step reads or writes from being reused before
+    the move runs (``end_step`` lets go of the holds). Must keep true: every reference taken is
+    released exactly once, and each move reads what its source held when the step began. The
+    engine guarantees the caller made room on the host first and copies the moves before the
+    step's forward pass, device to host first.
     """
 
     def swap_out(self, seq, count: Optional[int] = None) -> None: ...
