@@ -185,9 +185,10 @@ class HostPrefixTier(Protocol):
     now the tier's); ``lookup(name, tokens)`` returns the ``CachedBlock`` kept under ``name`` if its
     tokens match, else None; ``touch(name)`` marks it just used; ``evict_one()`` frees the least
     recently used block whose reference count is 1 (more means a move of this step holds it) and
-    says whether it found one; iterating yields every kept ``CachedBlock``. Must keep true: the tier
+    says whether it found one; iterating yields every kept ``CachedBlock``, ``name in tier`` says
+    whether one is kept under ``name`` and ``num_cached`` counts them. Must keep true: the tier
     holds exactly one reference to each block it keeps. The engine guarantees it puts only blocks it
-    allocated for the tier and frees none of them itself.
+    allocated for the tier, never under a name the tier already keeps, and frees none of them itself.
     """
 
     def put(self, name: int, tokens: tuple, host_block: int) -> None: ...
@@ -197,6 +198,13 @@ class HostPrefixTier(Protocol):
     def touch(self, name: int) -> None: ...
 
     def evict_one(self) -> bool: ...
+
+    def __contains__(self, name: int) -> bool: ...
+
+    def __iter__(self): ...
+
+    @property
+    def num_cached(self) -> int: ...
 
 
 def check_preemption_policy(policy, preemption_mode: str) -> None:
