@@ -5,7 +5,7 @@ BUGS = [
         ("        return entry if entry is not None and entry.tokens == tokens else None\n", "        return entry\n")],
         "tier/checks_the_tokens"),
     bug("touch does nothing, so the tier evicts first in, first out", [
-        ("        self._kept.move_to_end(name)\n", "        pass\n")],
+        ("        self._kept[name] = self._kept.pop(name)  # to the end: the most recently used\n", "        pass\n")],
         "tier/evicts_the_least_recently_used", "tier/random_workload"),
     bug("evict_one takes the most recently used block", [
         ("        for name, entry in self._kept.items():\n            if self.allocator.ref_count(entry.block_id) == 1:",

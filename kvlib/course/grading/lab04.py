@@ -154,7 +154,8 @@ SCENARIOS = {
         "must keep the watermark of 2 blocks"),
     "prefix_hits": Scenario(
         (("num_gpu_blocks", 32), ("enable_prefix_caching", True), ("max_num_batched_tokens", 16)),
-        ((1, "a", SHARED, 4, 1), (5, "b", SHARED + (7, 8, 9, 10), 2, 1), (5, "c", SHARED[:8] + tuple(range(60, 68)), 2, 1)),
+        ((1, "a", SHARED, 4, 1), (5, "b", SHARED + (7, 8, 9, 10), 2, 1),
+         (5, "c", SHARED[:8] + tuple(range(60, 68)), 2, 1)),
         "b finds a's 3 blocks in the prefix cache and computes only its last 4 tokens; c finds 2 blocks and "
         "computes 8; cached tokens cost no budget"),
 }
@@ -204,7 +205,7 @@ def _reference_plans(name: str) -> tuple:
 
 def _expect_same_plans(scheduler_cls, name: str) -> None:
     scenario, expected = SCENARIOS[name], _reference_plans(name)
-    with own_work(Scheduler, GRADED):
+    with own_work(Scheduler, GRADED, scheduler_cls):
         for step, before, plan in _drive(checked(scheduler_cls), scenario, len(expected)):
             want = expected[step - 1]
             expect(plan == want, f"{name}, step {step}: you planned {_show(plan)}, kvlib's scheduler plans "
@@ -229,7 +230,7 @@ def compare(scheduler_cls, name: str, steps: int = 30) -> None:
     print(f"{'step':>4}  {'yours':<36}{'kvlib':<36}")
     mine = []
     try:
-        with own_work(Scheduler, GRADED):
+        with own_work(Scheduler, GRADED, scheduler_cls):
             mine = [plan for _, _, plan in _drive(checked(scheduler_cls), SCENARIOS[name], steps)]
     except NotImplementedError as exc:
         print(f"      not implemented yet: {exc}")
@@ -339,7 +340,7 @@ WORKLOADS = {"CHUNKED": (CHUNKED, CHUNKED_PROMPTS, CHUNKED_PARAMS), "SWAP": (SWA
 
 def _expect_same_tokens(cls, workload: str) -> None:
     reference = _reference_tokens(workload)
-    with own_work(Scheduler, GRADED):
+    with own_work(Scheduler, GRADED, cls):
         mine, preemptions = _serve(checked(cls), workload)
     for i, (got, want) in enumerate(zip(mine, reference)):
         expect(got == want, f"request {i} generated {got} with your scheduler but {want} with kvlib's "

@@ -55,7 +55,7 @@ def check_engine(block_manager_cls) -> TaskResult:
 def graded(check):
     """Run a unit check with kvlib's own versions of the graded methods refused."""
     def run(cls) -> None:
-        with own_work(BlockManager, GRADED):
+        with own_work(BlockManager, GRADED, cls):
             check(cls)
     run.__name__ = check.__name__
     return run
@@ -185,8 +185,8 @@ def keeps_shared_blocks_with_their_other_holders(cls) -> None:
     bm.swap_out(child)
     moves = bm.end_step().swap_out
     expect(parent.block_table.blocks == shared and child.block_table.blocks == [] and len(child.host_blocks) == 3,
-           f"swapping out a sample that shares blocks {shared} with its parent left the parent {parent.block_table.blocks}, "
-           f"the sample {child.block_table.blocks} on the device and {child.host_blocks} on the host; expected the "
+           f"swapping out a sample that shares blocks {shared} with its parent left the parent "
+           f"{parent.block_table.blocks}, the sample {child.block_table.blocks} on the device and {child.host_blocks} on the host; expected the "
            f"parent unchanged and the sample's 3 blocks on the host")
     expect([d for d, _ in moves] == shared, f"moves.swap_out is {moves}; expected a copy of each of {shared}")
     _expect_counts(bm, [parent, child], "after swapping out the sample")
@@ -194,8 +194,8 @@ def keeps_shared_blocks_with_their_other_holders(cls) -> None:
     bm.swap_in(child)
     bm.end_step()
     expect(len(child.block_table) == 3 and child.host_blocks == [],
-           f"after the swap-in the sample holds {child.block_table.blocks} on the device and {child.host_blocks} on the "
-           f"host; expected 3 device blocks and none on the host")
+           f"after the swap-in the sample holds {child.block_table.blocks} on the device and {child.host_blocks} on "
+           f"the host; expected 3 device blocks and none on the host")
     _expect_counts(bm, [parent, child], "after swapping the sample back in")
 
 
@@ -210,8 +210,8 @@ def holds_the_host_blocks_it_writes(cls) -> None:
     hosts = list(a.host_blocks)
     REFERENCE_DROP(bm, a)  # the same step gives up a's host copies (a recompute after all)
     expect(bm.cpu.num_free == 0,
-           f"a was swapped out to host blocks {hosts} and dropped in the same step, and {bm.cpu.num_free} host block(s) "
-           f"are now free: another action of this step could take one and the swap-out's copy would write into it "
+           f"a was swapped out to host blocks {hosts} and dropped in the same step, and {bm.cpu.num_free} host "
+           f"block(s) are now free: another action of this step could take one and the swap-out's copy would write into it "
            f"too; they must stay held until end_step")
     bm.end_step()
     expect(bm.cpu.num_free == 3, f"after end_step, {bm.cpu.num_free} of 3 host blocks are free; expected all of them")
@@ -359,7 +359,8 @@ def recomputes(cls) -> None:
     mine = _expect_same_tokens(cls, "recompute")
     reference = _reference("recompute")[1]
     expect(mine["recomputed"] == reference["recomputed"],
-           f"your drop reported {mine['recomputed']} computed tokens lost over the run; kvlib's {reference['recomputed']}")
+           f"your drop reported {mine['recomputed']} computed tokens lost over the run; kvlib's "
+           f"{reference['recomputed']}")
 
 
 @engine.check(2, "partial preemption swaps only a victim's unique tail, in steps: host blocks added later hold "
@@ -380,7 +381,7 @@ def falls_back_when_the_host_is_full(cls) -> None:
 
 def _expect_same_tokens(cls, workload: str) -> dict:
     expected = _unpressured(workload)
-    with own_work(BlockManager, GRADED):
+    with own_work(BlockManager, GRADED, cls):
         tokens, counters = _serve(cls, workload)
     for i, (got, want) in enumerate(zip(tokens, expected)):
         expect(got == want, f"request {i} generated {got} with your block manager but {want} in a pool with room "

@@ -64,7 +64,8 @@ def checked(tier_cls) -> type:
             freed = pool.num_free - free
             expect(found is True or found is False, f"evict_one returned {found!r}; it must return True or False")
             if not found:
-                expect(not gone and freed == 0, f"evict_one returned False but forgot {gone} and freed {freed} block(s)")
+                expect(not gone and freed == 0,
+                       f"evict_one returned False but forgot {gone} and freed {freed} block(s)")
                 if evictable:
                     raise CheckFailed(f"evict_one returned False, but host block {evictable[0]} could be evicted "
                                       f"(reference count 1): the host pool needed the room")
@@ -206,8 +207,9 @@ def random_workload(cls) -> None:
             elif op == "evict":
                 victim = next((n for n, b in model.items() if pool.ref_count(b) == 1), None)
                 found = t.evict_one()
-                expect(found == (victim is not None), f"workload {seed}, step {step}: evict_one returned {found}, "
-                                                      f"but {'block ' + str(victim) if victim else 'no block'} could be evicted")
+                could = f"block {victim}" if victim is not None else "no block"
+                expect(found == (victim is not None),
+                       f"workload {seed}, step {step}: evict_one returned {found}, but {could} could be evicted")
                 if victim is not None:
                     del model[victim]
             kept = sorted(e.block_id for e in t)
@@ -240,7 +242,8 @@ WORKLOADS = {
     # Two conversations, traffic, one of them returns, more traffic, both return: the 24-block host
     # pool cannot keep everything, so the tier evicts, sometimes while it copies blocks back.
     "crowded": (24, [([A, B], SHORT), ([_tokens(20 + i, 40) for i in range(3)], SHORT), ([A + _tokens(5, 4)], SHORT),
-                     ([_tokens(30 + i, 40) for i in range(3)], SHORT), ([B + _tokens(6, 4), A + _tokens(7, 4)], SHORT)]),
+                     ([_tokens(30 + i, 40) for i in range(3)], SHORT),
+                     ([B + _tokens(6, 4), A + _tokens(7, 4)], SHORT)]),
 }
 MAX_STEPS = 500
 
@@ -263,7 +266,8 @@ def _expect_same_as_reference(cls, workload: str) -> dict:
     tokens, mine = _serve(checked(cls), workload)
     for i, (got, want) in enumerate(zip(tokens, expected_tokens)):
         expect(got == want, f"request {i} generated {got} with your host tier but {want} with kvlib's")
-    for key, what in (("host_hit_tokens", "prompt tokens found on the host tier (metrics.prefix_cache_host_hit_tokens)"),
+    for key, what in (("host_hit_tokens",
+                       "prompt tokens found on the host tier (metrics.prefix_cache_host_hit_tokens)"),
                       ("hit_tokens", "prompt tokens found in the prefix cache (metrics.prefix_cache_hit_tokens)"),
                       ("host_copies", "blocks copied over the host link")):
         expect(mine[key] == expected[key], f"{what}: {mine[key]} with your host tier, {expected[key]} with kvlib's")
