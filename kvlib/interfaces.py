@@ -159,10 +159,12 @@ class PreemptionMechanism(Protocol):
     new device blocks (``moves.swap_in``); ``drop(seq, count)`` lets go of the last ``count``
     device blocks and every host copy, returning the computed tokens lost. ``host_blocks_needed``
     says how many host blocks a swap-out would allocate. Use ``take()`` for a device block,
-    ``release(seq, count)`` to let go of device blocks, ``hold_host``/``free_host`` for host blocks
-    a move reads. Must keep true: every reference taken is released exactly once, and each move
-    reads what its source held when the step began. The engine guarantees the caller made room on
-    the host first and copies the moves before the step's forward pass, device to host first.
+    ``release(seq, count)`` to let go of device blocks, ``free_host`` to let go of a host block and
+    ``hold_host`` to keep one that a move of this step reads or writes from being reused before
+    the move runs (``end_step`` lets go of the holds). Must keep true: every reference taken is
+    released exactly once, and each move reads what its source held when the step began. The
+    engine guarantees the caller made room on the host first and copies the moves before the
+    step's forward pass, device to host first.
     """
 
     def swap_out(self, seq, count: Optional[int] = None) -> None: ...
@@ -183,9 +185,10 @@ class HostPrefixTier(Protocol):
     now the tier's); ``lookup(name, tokens)`` returns the ``CachedBlock`` kept under ``name`` if its
     tokens match, else None; ``touch(name)`` marks it just used; ``evict_one()`` frees the least
     recently used block whose reference count is 1 (more means a move of this step holds it) and
-    says whether it found one; iterating yields every kept ``CachedBlock``. Must keep true: the tier
+    says whether it found one; iterating yields every kept ``CachedBlock``, ``name in tier`` says
+    whether one is kept under ``name`` and ``num_cached`` counts them. Must keep true: the tier
     holds exactly one reference to each block it keeps. The engine guarantees it puts only blocks it
-    allocated for the tier and frees none of them itself.
+    allocated for the tier, never under a name the tier already keeps, and frees none of them itself.
     """
 
     def put(self, name: int, tokens: tuple, host_block: int) -> None: ...
@@ -195,6 +198,13 @@ class HostPrefixTier(Protocol):
     def touch(self, name: int) -> None: ...
 
     def evict_one(self) -> bool: ...
+
+    def __contains__(self, name: int) -> bool: ...
+
+    def __iter__(self): ...
+
+    @property
+    def num_cached(self) -> int: ...
 
 
 def check_preemption_policy(policy, preemption_mode: str) -> None:

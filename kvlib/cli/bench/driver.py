@@ -3,7 +3,8 @@
 Benchmarks of the bookkeeping (``kvlib bench scheduler``, ``kvlib bench sharing``) and the
 model-free scheduler tests drive the same ``Scheduler.schedule`` and ``Scheduler.postprocess``
 the engine does. Every scheduled token counts as computed and every draw samples a placeholder
-token, so requests run exactly as long as they ask (as with ``ignore_eos``).
+token, so requests run exactly as long as they ask (as with ``ignore_eos``). Like ``LLM(...)``, it
+takes a ``scheduler``, ``block_manager`` or ``host_prefix_tier`` class to run in place of kvlib's.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig
 from kvlib.metrics import EngineMetrics
 from kvlib.preemption import LatestArrivalPolicy
+from kvlib.prefix_cache import HostPrefixTier
 from kvlib.scheduler import Scheduler, SchedulerOutput, StepResult
 from kvlib.sequence import Sequence
 
@@ -23,18 +25,19 @@ PLACEHOLDER_TOKEN = 0
 
 
 class ModelFreeEngine:
-    def __init__(self, config: EngineConfig, policy=None, sharing=None):
+    def __init__(self, config: EngineConfig, policy=None, sharing=None, *, scheduler=None, block_manager=None,
+                 host_prefix_tier=None):
         if config.num_gpu_blocks is None:
             raise ValueError("a model-free run has no device to size the pool from: set num_gpu_blocks")
         self.config = config
         self.metrics = EngineMetrics(history=config.metrics_history)
-        self.block_manager = BlockManager(
+        self.block_manager = (block_manager or BlockManager)(
             config.block_size, BlockAllocator(config.num_gpu_blocks), BlockAllocator(config.num_cpu_blocks),
             watermark_blocks=int(config.watermark * config.num_gpu_blocks),
             enable_prefix_caching=config.enable_prefix_caching, host_prefix_cache=config.host_prefix_cache,
-            sharing=sharing)
-        self.scheduler = Scheduler(config, self.block_manager, policy or LatestArrivalPolicy(), self.metrics,
-                                   block_bytes=1)
+            sharing=sharing, host_tier_factory=host_prefix_tier or HostPrefixTier)
+        self.scheduler = (scheduler or Scheduler)(config, self.block_manager, policy or LatestArrivalPolicy(),
+                                                  self.metrics, block_bytes=1)
         self.requests: dict[str, list[Sequence]] = {}
         self.last_plan: Optional[SchedulerOutput] = None
         self.last_schedule_seconds = 0.0
