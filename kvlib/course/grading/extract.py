@@ -157,16 +157,18 @@ def _free_names(statement: ast.stmt) -> set[str]:
 
 def _violations(kept: list[ast.stmt], rules: Rules, statements: dict[str, ast.stmt], origin: dict) -> list[str]:
     found = []
+    from_kvlib = {(alias.asname or alias.name) for s in kept for node in ast.walk(s) if isinstance(node, ast.ImportFrom)
+                  and (node.module or "").split(".")[0] == "kvlib" for alias in node.names}
     for statement in kept:
         cell = origin[id(statement)].cell
 
         def flag(node: ast.AST, why: str) -> None:
             found.append(f"code cell {cell}, line {getattr(node, 'lineno', '?')}: {why}")
-        _check_statement(statement, rules, statements, flag)
+        _check_statement(statement, rules, from_kvlib, flag)
     return found
 
 
-def _check_statement(statement: ast.stmt, rules: Rules, statements: dict[str, ast.stmt], flag) -> None:
+def _check_statement(statement: ast.stmt, rules: Rules, from_kvlib: set[str], flag) -> None:
     for node in ast.walk(statement):
         if isinstance(node, ast.ImportFrom):
             module_name = ("." * node.level) + (node.module or "")
@@ -180,6 +182,8 @@ def _check_statement(statement: ast.stmt, rules: Rules, statements: dict[str, as
         elif isinstance(node, ast.Attribute):
             if node.attr in rules.own_methods and _is_super_call(node.value):
                 flag(node, f"calls super().{node.attr}: a graded method must do its work itself")
+            elif node.attr in rules.own_methods and isinstance(node.value, ast.Name) and node.value.id in from_kvlib:
+                flag(node, f"calls kvlib's own {node.value.id}.{node.attr}: a graded method must do its work itself")
             elif node.attr in FORBIDDEN_ATTRIBUTES:
                 flag(node, f"reaches .{node.attr}, outside your own code")
             elif node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in ALLOWED_DUNDERS:
