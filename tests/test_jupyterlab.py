@@ -1,0 +1,98 @@
+"""The course opened the way learners open it: JupyterLab in a browser, Run All, look at the result.
+
+A JupyterLab server runs on a copy of the repository; headless Chromium (Debian's ``chromium``,
+driven by playwright) opens lesson 00 and lesson 06 (which shows the block-pool view), runs every
+cell from the Run menu and saves. The saved notebooks must hold no error output, the pool view
+must have rendered in the page, and a screenshot of each is kept in ``kvlib-output/screenshots``.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOTS = ROOT / "kvlib-output" / "screenshots"
+LESSONS = ["00_setup_and_tour.ipynb", "06_preemption_swap_recompute.ipynb"]
+
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here: `apt-get install chromium` (.ci/run does)")
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (it is in the dev extra)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a copy of the course, on a free loopback port; yields its base URL."""
+    root = tmp_path_factory.mktemp("course")
+    for folder in ("kvlib", "notebooks"):
+        shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    port, token = free_port(), "kvlib-test"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        server.kill()
+        pytest.fail("JupyterLab did not start within a minute")
+    yield base, token, root
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def run_all_and_save(page, base: str, token: str, name: str) -> None:
+    page.goto(f"{base}/lab/tree/notebooks/{name}?token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+    page.get_by_text("Kernel status: Idle").first.wait_for(state="attached", timeout=120_000)  # the kernel is up
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.locator("li[data-command='runmenu:run-all']").click()
+    # Every code cell gets an execution count once it has run; wait for the last one.
+    page.wait_for_function(
+        "() => { const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')];"
+        " return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent)); }",
+        timeout=600_000, polling=2000)
+    page.keyboard.press("Control+s")
+    time.sleep(2)
+
+
+def test_lessons_run_in_jupyterlab_without_errors_and_show_the_pool_view(lab):
+    base, token, root = lab
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        for name in LESSONS:
+            run_all_and_save(page, base, token, name)
+            if name.startswith("06"):
+                view = page.locator(".animation img").first
+                view.scroll_into_view_if_needed()
+                assert view.is_visible(), "the block-pool view did not render"
+                view.screenshot(path=str(SCREENSHOTS / "pool_view_in_jupyterlab.png"))
+            page.screenshot(path=str(SCREENSHOTS / f"jupyterlab_{name.split('_')[0]}.png"))
+        browser.close()
+    for name in LESSONS:
+        saved = json.loads((root / "notebooks" / name).read_text())
+        errors = [o for c in saved["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])
+                  if o["output_type"] == "error"]
+        assert not errors, f"{name}: {[(e['ename'], e['evalue']) for e in errors]}"
+        assert all(c.get("execution_count") for c in saved["cells"] if c["cell_type"] == "code"), name
+    assert (SCREENSHOTS / "pool_view_in_jupyterlab.png").stat().st_size > 5_000
