@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlib.course.grading import grade_notebook, lab07, lab08, lab09
+from kvlib.course.grading import grade_notebook, lab07, lab09
 from kvlib.course.grading.results import FAIL
 from kvlib.course.labs import remove_hidden_tests
 from kvlib.oversubscription import OversubscriptionDetector
@@ -78,60 +78,6 @@ def test_the_reference_policy_gets_full_marks():
 ])
 def test_lab06_a_bug_costs_exactly_its_checks(policy, failed):
     assert _failed(lab07.check_select_victim(policy), lab07.check_engine(policy)) == failed
-
-
-# ---- lab 07: choose_mode -----------------------------------------------------------------------
-class Auto(LatestArrivalPolicy):
-    def __init__(self, cost_model):
-        super().__init__(cost_model)
-
-    def swap_seconds(self, context):
-        return 2 * context.num_blocks * context.block_bytes / self.cost_model.host_link_bytes_per_s
-
-    def recompute_seconds(self, context):
-        return context.num_tokens / self.cost_model.prefill_tokens_per_s
-
-    def choose_mode(self, victim, context):
-        if context.host_free_blocks < context.num_blocks:
-            return "recompute"
-        return "swap" if self.swap_seconds(context) < self.recompute_seconds(context) else "recompute"
-
-
-class OneWayTrip(Auto):
-    def swap_seconds(self, context):
-        return context.num_blocks * context.block_bytes / self.cost_model.host_link_bytes_per_s
-
-
-class TieSwaps(Auto):
-    def choose_mode(self, victim, context):
-        if context.host_free_blocks < context.num_blocks:
-            return "recompute"
-        return "swap" if self.swap_seconds(context) <= self.recompute_seconds(context) else "recompute"
-
-
-class LeavesHostRoomToTheEngine(Auto):  # what kvlib's own auto policy does
-    def choose_mode(self, victim, context):
-        return "swap" if self.swap_seconds(context) < self.recompute_seconds(context) else "recompute"
-
-
-class Inverted(Auto):
-    def choose_mode(self, victim, context):
-        return "recompute" if super().choose_mode(victim, context) == "swap" else "swap"
-
-
-def test_a_correct_auto_policy_gets_full_marks():
-    assert lab08.check_choose_mode(Auto).full_marks
-    assert lab08.check_engine(Auto).full_marks
-
-
-@pytest.mark.parametrize("policy, failed", [
-    (OneWayTrip, ["swap_seconds", "cheaper_wins"]),
-    (TieSwaps, ["cheaper_wins"]),
-    (LeavesHostRoomToTheEngine, ["host_room", "small_host_pool"]),
-    (Inverted, ["cheaper_wins", "host_room", "fast_link_swaps", "slow_link_recomputes", "small_host_pool"]),
-])
-def test_lab07_a_bug_costs_exactly_its_checks(policy, failed):
-    assert _failed(lab08.check_choose_mode(policy), lab08.check_engine(policy)) == failed
 
 
 # ---- lab 08: the detector ----------------------------------------------------------------------
@@ -205,13 +151,6 @@ def test_lab06_solution_gets_full_marks():
     report = grade_notebook(ROOT / "solutions" / "lab07_victim_selection.ipynb")
     assert report.full_marks, report.table()
     assert [(t.task, t.points) for t in report.tasks] == [("select_victim", 6), ("engine", 4)]
-
-
-def test_lab07_untouched_gets_zero_and_says_not_implemented():
-    report = grade_notebook(ROOT / "labs" / "lab08_cost_model.ipynb")
-    assert (report.points, report.max_points) == (0, 10)
-    for task in ("choose_mode", "engine"):
-        assert report.task(task).failed_summary().startswith("not implemented: MyAutoPolicy."), report.table()
 
 
 def test_lab08_warning_every_step_loses_the_once_checks(tmp_path):
