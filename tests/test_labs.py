@@ -79,3 +79,35 @@ def test_stale_labs_finds_edited_missing_and_orphaned_labs(tmp_path):
     (labs / "lab99_b.ipynb").unlink()
     (labs / "lab97_gone.ipynb").write_text("{}")
     assert stale_labs(solutions, labs) == [labs / "lab97_gone.ipynb", labs / "lab98_a.ipynb", labs / "lab99_b.ipynb"]
+
+
+@pytest.mark.parametrize("marker", ["## BEGIN SOLUTION", "### Begin Solution", "#### BEGIN SOLUTION", "# BEGIN SOLUTION",
+                                    "### BEGIN_SOLUTION", "### END HIDDEN TEST"])
+def test_a_near_miss_marker_is_refused_and_nothing_is_written(tmp_path, marker):
+    solutions, labs = tmp_path / "solutions", tmp_path / "labs"
+    solutions.mkdir()
+    _solution(solutions / "lab98_good.ipynb")
+    make_labs(solutions, labs)
+    before = {p.name: p.read_text() for p in labs.iterdir()}
+    _solution(solutions / "lab99_typo.ipynb", METHOD.replace("### BEGIN SOLUTION", marker))
+    with pytest.raises(LabError, match="looks like a marker"):
+        make_labs(solutions, labs)
+    assert {p.name: p.read_text() for p in labs.iterdir()} == before  # labs/ is replaced all at once, or not at all
+
+
+def test_a_marker_outside_a_code_cell_is_refused(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    path = tmp_path / "solutions" / "lab99_pool.ipynb"
+    _solution(path)
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(1, new_markdown_cell("Write it here:\n### BEGIN SOLUTION\nthe answer\n### END SOLUTION"))
+    nbformat.write(nb, path)
+    with pytest.raises(LabError, match="in a markdown cell"):
+        make_labs(tmp_path / "solutions", tmp_path / "labs")
+
+
+def test_a_lab_with_nothing_to_write_is_refused(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    _solution(tmp_path / "solutions" / "lab99_pool.ipynb", "def helper():\n    return 1")
+    with pytest.raises(LabError, match="no ### BEGIN SOLUTION region"):
+        make_labs(tmp_path / "solutions", tmp_path / "labs")

@@ -24,7 +24,7 @@ BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 LAB_PATTERN = "lab*.ipynb"
 MARKERS = (BEGIN_SOLUTION, END_SOLUTION, BEGIN_HIDDEN, END_HIDDEN)
-_MARKER_LIKE = re.compile(r"#+\s*(begin|end)\W*(solution|hidden\W*tests?)", re.IGNORECASE)
+_MARKER_LIKE = re.compile(r"#+\s*(begin|end)[\W_]*(solution|hidden[\W_]*tests?)", re.IGNORECASE)
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)")
 _CLASS = re.compile(r"^(\s*)class\s+(\w+)")
 
