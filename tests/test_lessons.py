@@ -16,7 +16,7 @@ from kvlib.course.verdicts import check_verdicts, holds_again, recorded, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-CHECKED = {p for p in LESSONS if p.stem[:2] in ()}  # lessons already printing their verdicts from code
+CHECKED = {p for p in LESSONS if p.stem[:2] in ("00", "01", "02", "03", "04", "05")}  # lessons already printing their verdicts from code
 LAST_CELL = "from kvlib.course.verdicts import check_verdicts\ncheck_verdicts()"
 
 
