@@ -34,7 +34,7 @@ from kvlib.metrics import EngineMetrics, RequestMetrics, StepRecord
 METRICS_IMPORTS = {"kvlib.metrics": {"EngineMetrics", "RequestMetrics", "StepRecord"}}
 report = Task("report", Rules(needs=("preemption_report",), kvlib_imports=METRICS_IMPORTS))
 DETECTOR_RULES = Rules(needs=("MyOversubscriptionDetector",), kvlib_imports=METRICS_IMPORTS,
-                       own_methods=("__init__", "observe"))
+                       own_methods=("observe",))
 detector = Task("detector", DETECTOR_RULES)
 engine = Task("engine", DETECTOR_RULES)
 TASKS = [report, detector, engine]
