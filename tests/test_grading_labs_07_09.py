@@ -236,4 +236,4 @@ def test_lab09_a_warning_every_step_loses_the_once_checks_in_the_sandbox(tmp_pat
     solution = ROOT / "solutions" / "lab09_preemption_metrics.ipynb"
     report = grade_notebook(_with_bug(tmp_path, solution, "        self.warned = True\n", ""))
     assert report.failed_checks() == {"detector/warns_once", "engine/warns_once_when_oversubscribed"}, report.table()
-    assert (report.points, report.max_points) == (21 - 1 - 2, 21)
+    assert (report.points, report.max_points) == (22 - 1 - 2, 22)

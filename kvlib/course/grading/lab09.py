@@ -85,7 +85,8 @@ def _metrics(records: list[RequestMetrics] = (), steps: list[int] = (), **counte
 
 
 SIX = [_request("a", 0, 0.10, 0.02), _request("b", 2, 0.50, 0.30), _request("c", 0, 0.20, 0.05),
-       _request("d", 1, None, 0.25), _request("e", 0, 0.40, 0.04), _request("f", 3, 0.90, 0.60)]
+       _request("d", 1, 0.70, 0.25), _request("e", 0, 0.40, 0.04), _request("f", 3, 0.90, 0.60)]
+NO_TTFT = _request("g", 1, None, 0.10)  # preempted before its first token, and aborted: no ttft
 
 
 def _field(report_fn, metrics: EngineMetrics, key: str, window: int = 16):
@@ -103,18 +104,13 @@ def _expect_close(got, want, what: str) -> None:
            f"{what}: got {got!r}, expected {want!r}")
 
 
-@report.check(1, "preemptions_per_finished_request is num_preemptions / num_finished (0.0 before any request "
-                 "finished); preempted_share is the share of the records in metrics.requests preempted at least "
-                 "once (None when there are none)")
+@report.check(1, "preemptions_per_finished_request is num_preemptions / num_finished (counters: the whole run); "
+                 "preempted_share is the share of the records in metrics.requests preempted at least once")
 def rate_and_share(report_fn) -> None:
     m = _metrics(SIX, num_preemptions=9, num_finished=8)  # the history kept 6 of the 8 records
     _expect_close(_field(report_fn, m, "preemptions_per_finished_request"), 9 / 8,
                   "9 preemptions over 8 finished requests (6 records kept), preemptions_per_finished_request")
     _expect_close(_field(report_fn, m, "preempted_share"), 0.5, "3 of the 6 records preempted, preempted_share")
-    empty = _metrics(num_preemptions=4)
-    _expect_close(_field(report_fn, empty, "preemptions_per_finished_request"), 0.0,
-                  "4 preemptions and no finished request yet, preemptions_per_finished_request")
-    _expect_close(_field(report_fn, empty, "preempted_share"), None, "no finished request, preempted_share")
 
 
 @report.check(1, "worst_stutter maps 'preempted' and 'not_preempted' to the largest max_inter_token_latency in "
@@ -132,12 +128,14 @@ def stutter_by_group(report_fn) -> None:
 @report.check(1, "median_ttft maps 'preempted' and 'not_preempted' to statistics.median of each group's ttft, "
                  "skipping a ttft of None; None for a group with no ttft")
 def ttft_by_group(report_fn) -> None:
-    got = _field(report_fn, _metrics(SIX, num_finished=6), "median_ttft")
+    got = _field(report_fn, _metrics(SIX + [NO_TTFT], num_finished=7), "median_ttft")
     expect(isinstance(got, dict) and set(got) == {"preempted", "not_preempted"},
            f"median_ttft is {got!r}; expected a dict with keys 'preempted' and 'not_preempted'")
-    _expect_close(got["preempted"], 0.70, "median TTFT of the preempted requests (0.50, None, 0.90)")
+    _expect_close(got["preempted"], 0.70, "median TTFT of the preempted requests (0.50, 0.70, 0.90 and one None)")
     _expect_close(got["not_preempted"], 0.20, "median TTFT of the others (0.10, 0.20, 0.40)")
-    none = _field(report_fn, _metrics([SIX[3]], num_finished=1), "median_ttft")
+    even = _field(report_fn, _metrics(SIX[:2] + SIX[3:4], num_finished=3), "median_ttft")
+    _expect_close(even["preempted"], 0.60, "median TTFT of two preempted requests (0.50, 0.70)")
+    none = _field(report_fn, _metrics(SIX[:1] + [NO_TTFT], num_finished=2), "median_ttft")
     _expect_close(none["preempted"], None, "one preempted request with no ttft, median_ttft['preempted']")
 
 
@@ -146,18 +144,29 @@ def ttft_by_group(report_fn) -> None:
 def busiest_window(report_fn) -> None:
     steps = [0, 2, 0, 0, 3, 1, 0, 0, 0, 4, 0, 1]
     for window, want in ((1, 4), (3, 5), (4, 5), (5, 6), (12, 11), (40, 11)):
-        _expect_close(_field(report_fn, _metrics(steps=steps), "busiest_window", window), want,
+        m = _metrics(SIX, steps=steps, num_preemptions=11, num_finished=6)
+        _expect_close(_field(report_fn, m, "busiest_window", window), want,
                       f"preemptions per step {steps}, busiest_window with window={window}")
-    _expect_close(_field(report_fn, _metrics(), "busiest_window", 4), 0, "an empty timeline, busiest_window")
+    m = _metrics(SIX, num_finished=6)
+    _expect_close(_field(report_fn, m, "busiest_window", 4), 0, "an empty timeline, busiest_window")
 
 
 @report.check(1, "recomputed_share is num_recomputed_tokens over every token the model ran: prompt, generated "
-                 "and recomputed tokens (0.0 when there are none)")
+                 "and recomputed tokens")
 def recomputed_share(report_fn) -> None:
-    m = _metrics(num_prompt_tokens=300, num_generated_tokens=500, num_recomputed_tokens=200)
+    m = _metrics(SIX, num_finished=6, num_prompt_tokens=300, num_generated_tokens=500, num_recomputed_tokens=200)
     _expect_close(_field(report_fn, m, "recomputed_share"), 0.2,
                   "300 prompt, 500 generated and 200 recomputed tokens, recomputed_share")
-    _expect_close(_field(report_fn, _metrics(), "recomputed_share"), 0.0, "no tokens at all, recomputed_share")
+
+
+@report.check(1, "before anything has run the report still answers: 0.0 for the rate and the recomputed share, 0 "
+                 "for the busiest window, None for the share and for every group of requests (nothing to divide)")
+def nothing_yet(report_fn) -> None:
+    got = report_fn(_metrics(), 16)
+    want = {"preemptions_per_finished_request": 0.0, "preempted_share": None,
+            "worst_stutter": {"preempted": None, "not_preempted": None},
+            "median_ttft": {"preempted": None, "not_preempted": None}, "busiest_window": 0, "recomputed_share": 0.0}
+    expect(got == want, f"the report of an engine that has served nothing is {got!r}; expected {want!r}")
 
 
 def reference_report(metrics: EngineMetrics, window: int = 16) -> dict:
