@@ -1,9 +1,9 @@
-"""Lab 03 grading: full marks for a correct kernel, zero for the stubs, and a bug costs exactly its checks.
+"""Lab 03 grading: only a Triton kernel of the learner's own scores, and the engine checks see what they claim.
 
-The buggy launchers reproduce classic decode-kernel mistakes around kvlib's own kernel (feeding
-it inputs that make it compute what the buggy kernel would) or in a few lines of torch, so they
-run in this process. Two notebooks are graded the way ``kvlib grade`` runs them: the solution
-and the untouched lab.
+The realistic kernel bugs are test data in ``tests/lab_bugs/lab03.py`` (``test_labs_graded.py`` grades
+them). Here: answers that are not the learner's Triton kernel score zero with a message that says
+why, the launch log leaves Triton as it found it, kvlib's own kernels are refused at extraction, and
+two notebooks are graded the way ``kvlib grade`` runs them.
 """
 from __future__ import annotations
 
@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from kvlib import kernels  # importing kvlib first switches on the Triton interpreter where there is no GPU
-from kvlib.attention.torch_backend import gather_sequence_kv
+from kvlib.attention.torch_backend import paged_attention_reference
 from kvlib.course.grading import grade_notebook, lab03
-from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED
+from kvlib.course.grading.extract import extract
+from kvlib.course.grading.results import NOT_IMPLEMENTED
+from kvlib.course.grading.runner import grade_cells
+from kvlib.course.grading.sandbox import InProcess
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="Triton is not installed")
 
@@ -24,116 +27,89 @@ SOLUTION = ROOT / "solutions" / "lab03_decode_kernel.ipynb"
 LAB = ROOT / "labs" / "lab03_decode_kernel.ipynb"
 
 
-# ---- buggy launchers ---------------------------------------------------------------------------
-def gqa_by_modulo(query, k_cache, v_cache, block_tables, context_lens, scale):
-    """Query head h reads kv head h % num_kv_heads instead of h // group."""
-    group = query.shape[1] // k_cache.shape[2]
-    return kernels.paged_decode_attention(query, k_cache.repeat(1, 1, group, 1), v_cache.repeat(1, 1, group, 1),
-                                  block_tables, context_lens, scale)
+def torch_launcher(query, k_cache, v_cache, block_tables, context_lens, scale):
+    """A correct answer in plain torch: no Triton kernel at all."""
+    starts = torch.arange(len(context_lens) + 1, dtype=torch.int32)
+    meta = lab03.AttentionMetadata(torch.empty(0, dtype=torch.int64), block_tables, context_lens, starts, 1,
+                                   int(context_lens.max()))
+    return paged_attention_reference(query, k_cache, v_cache, meta, scale)
 
 
-def reads_whole_last_block(query, k_cache, v_cache, block_tables, context_lens, scale):
-    """Masks by whole blocks, so the stale slots after context_len take part."""
-    block_size = k_cache.shape[1]
-    rounded = (context_lens + block_size - 1) // block_size * block_size
-    return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, rounded, scale)
+def _copy_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(dst, src, n, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        tl.store(dst + offsets, tl.load(src + offsets, mask=offsets < n), mask=offsets < n)
+    return copy
 
 
-def ignores_block_table(query, k_cache, v_cache, block_tables, context_lens, scale):
-    """Reads position p from block p // block_size, as if every sequence's blocks were 0, 1, 2, ..."""
-    in_order = torch.arange(block_tables.shape[1], dtype=block_tables.dtype, device=block_tables.device)
-    return kernels.paged_decode_attention(query, k_cache, v_cache, in_order.expand_as(block_tables).contiguous(),
-                                  context_lens, scale)
-
-
-def float32_output(query, k_cache, v_cache, block_tables, context_lens, scale):
-    """Computes in float32 and forgets to cast back to the query's dtype."""
-    return kernels.paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, scale)
-
-
-def tiled_softmax(query, k_cache, v_cache, block_tables, context_lens, scale, *, subtract_max=True, rescale=True,
-                  tile=64):
-    """The kernel's loop in torch: tiles of ``tile`` positions and a running softmax, with switchable bugs."""
-    out = torch.empty_like(query)
-    group = query.shape[1] // k_cache.shape[2]
-    for i, n in enumerate(context_lens.tolist()):
-        k, v = (gather_sequence_kv(c, block_tables[i], n).float().repeat_interleave(group, 1) for c in (k_cache, v_cache))
-        q = query[i].float()
-        m = torch.full(q.shape[:1], float("-inf"), device=q.device)
-        l = torch.zeros(q.shape[:1], device=q.device)
-        acc = torch.zeros_like(q)
-        for start in range(0, n, tile):
-            s = torch.einsum("hd,thd->ht", q, k[start:start + tile]) * scale
-            m_new = torch.maximum(m, s.max(1).values) if subtract_max else torch.zeros_like(m)
-            alpha = torch.exp(m - m_new) if subtract_max else torch.ones_like(m)
-            p = torch.exp(s - m_new[:, None])
-            l = l * alpha + p.sum(1)
-            acc = (acc * alpha[:, None] if rescale else acc) + torch.einsum("ht,thd->hd", p, v[start:start + tile])
-            m = m_new
-        out[i] = (acc / l[:, None]).to(query.dtype)
+def torch_behind_a_kernel(query, k_cache, v_cache, block_tables, context_lens, scale):
+    """Computes in torch, then launches a kernel of its own that only copies the answer out."""
+    answer = torch_launcher(query, k_cache, v_cache, block_tables, context_lens, scale).contiguous()
+    out = torch.empty_like(answer)
+    _copy_kernel()[(1,)](out, answer, answer.numel(), BLOCK=4096)
     return out
 
 
-def no_running_max(*args):
-    """exp(score) with no max subtracted: overflows on large scores."""
-    return tiled_softmax(*args, subtract_max=False)
+def kvlibs_kernel(query, k_cache, v_cache, block_tables, context_lens, scale):
+    return kernels.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def no_rescale(*args):
-    """Forgets to rescale the accumulator when a later tile raises the running max."""
-    return tiled_softmax(*args, rescale=False)
+@pytest.mark.parametrize("launcher, message", [
+    (torch_launcher, "without launching a Triton kernel of your own"),
+    (kvlibs_kernel, "it launched only _paged_decode_kernel"),
+    (torch_behind_a_kernel, "never handed k_cache and v_cache themselves"),
+])
+def test_an_answer_that_is_not_your_own_triton_kernel_scores_zero(launcher, message):
+    for result in (lab03.check_kernel(launcher), lab03.check_engine(launcher)):
+        assert result.points == 0
+        assert all(message in c.message for c in result.checks), [c.message for c in result.checks]
 
 
-def stub(*args):
-    raise NotImplementedError("paged_decode")
+def test_the_launch_log_leaves_triton_as_it_found_it():
+    classes = lab03._kernel_classes()
+    before = [cls.__dict__["run"] for cls in classes]
+    lab03.check_kernel(torch_launcher)
+    assert [cls.__dict__["run"] for cls in classes] == before
 
 
-# ---- graded in this process --------------------------------------------------------------------
-def test_kvlib_kernel_and_the_torch_loop_get_full_marks():
-    assert lab03.check_kernel(kernels.paged_decode_attention).full_marks
-    assert lab03.check_engine(kernels.paged_decode_attention).full_marks
-    assert lab03.check_kernel(tiled_softmax).full_marks
+def test_the_solution_in_this_process_gets_full_marks_and_a_stub_scores_zero():
+    import nbformat
+    cells = [c.source for c in nbformat.read(SOLUTION, as_version=4).cells if c.cell_type == "code"]
+    results = grade_cells("lab03", cells, runner=InProcess)
+    assert all(t.full_marks for t in results), [c.message for t in results for c in t.failed]
 
-
-TABLE_CHECKS = ["shuffled_block_tables", "lengths_mid_block", "gqa_groups", "long_context", "large_scores", "float16"]
-
-
-BUGS = [  # (launcher, kernel checks it fails, whether it fails the engine check, text in the first failure)
-    (gqa_by_modulo, ["gqa_groups"], True, "4 query heads over 2 kv heads"),  # the built-in model has GQA 2
-    (reads_whole_last_block, ["lengths_mid_block"], True, "context_lens=[5, 18, 33, 1], block_size=4"),
-    (ignores_block_table, TABLE_CHECKS, True, "differs from the reference; largest error"),
-    (float32_output, ["float16"], False, "returned dtype torch.float32, expected the query's torch.float16"),
-    (no_running_max, ["large_scores"], False, "the output holds inf or NaN"),
-    (no_rescale, ["long_context"], False, "sequence 0 (context 320)"),
-]
-
-
-@pytest.mark.parametrize("piece, kernel_failed, engine_fails, message", BUGS, ids=[bug[0].__name__ for bug in BUGS])
-def test_a_bug_costs_exactly_the_checks_that_cover_it(piece, kernel_failed, engine_fails, message):
-    kernel_result = lab03.check_kernel(piece)
-    assert [c.name for c in kernel_result.failed] == kernel_failed
-    assert all(c.status == FAIL and c.hint for c in kernel_result.failed)
-    assert message in kernel_result.failed[0].message
-    engine_result = lab03.check_engine(piece)
-    assert engine_result.full_marks is not engine_fails
-    if engine_fails:
-        assert "with the torch backend" in engine_result.failed[0].message
-
-
-def test_a_stub_scores_zero_as_not_implemented():
+    def stub(*args):
+        raise NotImplementedError("paged_decode")
     for result in (lab03.check_kernel(stub), lab03.check_engine(stub)):
         assert result.points == 0 and {c.status for c in result.checks} == {NOT_IMPLEMENTED}
+
+
+@pytest.mark.parametrize("source, why", [
+    ("from kvlib.kernels import paged_decode_attention\npaged_decode = paged_decode_attention",
+     "imports paged_decode_attention from kvlib.kernels"),
+    ("from kvlib.attention import torch_backend\n\ndef paged_decode(q, k, v, t, n, s):\n"
+     "    return torch_backend.paged_decode_batched(q, k, v, t, n, s)", "imports torch_backend from kvlib.attention"),
+    ("import kvlib.kernels.paged_decode as pd\n\ndef paged_decode(q, k, v, t, n, s):\n    return pd.x(q)",
+     "imports kvlib.kernels.paged_decode"),
+])
+def test_kvlibs_own_kernel_or_torch_attention_is_refused(source, why):
+    violations = extract([source], lab03.RULES).violations
+    assert any(why in v for v in violations), violations
 
 
 # ---- whole notebooks, as `kvlib grade` runs them -----------------------------------------------
 def test_the_solution_gets_full_marks():
     report = grade_notebook(SOLUTION)
     assert report.full_marks, report.table()
-    assert [(t.task, t.points) for t in report.tasks] == [("kernel", 10), ("engine", 5)]
+    assert [(t.task, t.points) for t in report.tasks] == [("kernel", 10), ("engine", 7)]
 
 
 def test_the_untouched_lab_gets_zero_and_says_not_implemented():
     report = grade_notebook(LAB)
-    assert report.points == 0 and report.max_points == 15
+    assert report.points == 0 and report.max_points == 17
     for task in ("kernel", "engine"):
         assert report.task(task).failed_summary() == "not implemented: paged_decode", report.table()

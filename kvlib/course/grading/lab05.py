@@ -1,25 +1,29 @@
 """Lab 05 checks: the learner's fork and copy-on-write, alone and inside the engine.
 
-The learner writes a class with the two methods of :class:`kvlib.sharing.BlockSharing`:
-``fork(allocator, blocks)`` and ``make_writable(allocator, blocks, index, take_block)``. The unit
-checks drive them on kvlib's own :class:`~kvlib.block_allocator.BlockAllocator`, one rule per
-check, so a bug costs the checks that cover it. The engine checks pass an instance as
+The learner writes a class with the two methods of the ``BlockSharing`` protocol
+(``kvlib/interfaces.py``): ``fork(allocator, blocks)`` and ``make_writable(allocator, blocks, index,
+take_block)``; kvlib's own (:class:`kvlib.sharing.BlockSharing`) may not be imported. The unit
+checks drive them on kvlib's :class:`~kvlib.block_allocator.BlockAllocator`, one rule per check, so
+a bug costs the checks that cover it. The engine checks pass an instance as
 ``LLM(..., block_sharing=...)``, serve requests with n > 1 samples, check the block bookkeeping
 after every step, and compare the tokens with what the sharing promises: greedy samples equal
 the n = 1 output, and sample ``j`` of a request seeded ``s`` equals a separate request seeded
 ``sample_stream_seed(s, j)`` (the stream the engine derives for that sample), with and without
-preemption.
+preemption, and with prefix caching in a pool that cached blocks fill, where a copy's block must
+come from ``take_block`` (which evicts one).
 """
 from __future__ import annotations
 
 from functools import cache
 from typing import Callable
 
-from kvlib.block_allocator import BlockAllocator
+from kvlib.block_allocator import BlockAllocator, BlockAllocatorError
+from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.extract import Rules
 from kvlib.course.grading.results import TaskResult
 from kvlib.course.grading.serving import serve_checked
+from kvlib.course.grading.workloads import Arrival, serve_timed
 
 RULES = Rules(needs=('MyBlockSharing',), kvlib_imports={}, own_methods=('fork', 'make_writable'))
 fork = Task("fork", RULES)
@@ -209,7 +213,7 @@ def seeded_samples(cls) -> None:
     from kvlib import SamplingParams
     _, outs = _serve(dict(block_size=BLOCK_SIZE, num_gpu_blocks=128), PROMPTS,
                      SamplingParams(max_tokens=MAX_TOKENS, n=N, temperature=1.0, seed=SEED), cls())
-    _expect_separate(outs, _seeded_reference(tuple(map(tuple, PROMPTS)), MAX_TOKENS, BLOCK_SIZE), "")
+    _expect_separate(outs, _seeded_reference(tuple(map(tuple, PROMPTS)), MAX_TOKENS, (SEED,) * len(PROMPTS)), "")
 
 
 @engine.check(3, "under memory pressure the engine preempts samples: swapping copies a shared block once and "
@@ -217,7 +221,7 @@ def seeded_samples(cls) -> None:
 def under_preemption(cls) -> None:
     from kvlib import SamplingParams
     params = SamplingParams(max_tokens=PRESSURE_TOKENS, n=N, temperature=1.0, seed=SEED)
-    reference = _seeded_reference(tuple(map(tuple, PRESSURE_PROMPTS)), PRESSURE_TOKENS, PRESSURE["block_size"])
+    reference = _seeded_reference(tuple(map(tuple, PRESSURE_PROMPTS)), PRESSURE_TOKENS, (SEED,) * len(PRESSURE_PROMPTS))
     for mode in ("swap", "recompute"):
         llm, outs = _serve(dict(PRESSURE, preemption_mode=mode), PRESSURE_PROMPTS, params, cls())
         expect(llm.metrics.num_preemptions > 0, f"the {mode} run was meant to preempt but did not")
@@ -239,13 +243,13 @@ def _greedy_reference() -> tuple:
 
 
 @cache
-def _seeded_reference(prompts: tuple, max_tokens: int, block_size: int) -> tuple:
+def _seeded_reference(prompts: tuple, max_tokens: int, seeds: tuple) -> tuple:
     """Sample ``j`` of each prompt as a request of its own, drawing from sample ``j``'s stream, in a roomy pool."""
     from kvlib import LLM, EngineConfig, SamplingParams
     from kvlib.sequence import sample_stream_seed
-    llm = LLM("default", EngineConfig(block_size=block_size, num_gpu_blocks=1024, device="cpu"), verbose=False)
-    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=sample_stream_seed(SEED, j))
-              for _ in prompts for j in range(N)]
+    llm = LLM("default", EngineConfig(block_size=BLOCK_SIZE, num_gpu_blocks=1024, device="cpu"), verbose=False)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=sample_stream_seed(seed, j))
+              for seed in seeds for j in range(N)]
     outs = llm.generate([list(p) for p in prompts for _ in range(N)], params)
     return tuple(tuple(o.token_ids for o in outs[N * i:N * (i + 1)]) for i in range(len(prompts)))
 
@@ -257,3 +261,40 @@ def _serve(config: dict, prompts: list[list[int]], params, sharing) -> tuple:
     llm = LLM("default", EngineConfig(device="cpu", **config), block_sharing=sharing, verbose=False)
     outputs = serve_checked(llm, prompts, params, MAX_STEPS)
     return llm, [[s.token_ids for s in out.samples] for out in outputs]
+
+
+# Eight requests of 3 seeded samples that share a 12-token system prompt, two arriving every 10 steps,
+# in a pool of 20 blocks: prefix caching keeps the finished requests' full blocks, so the pool fills
+# with cached blocks nobody uses, and a copy's new block can only come from evicting one.
+SYSTEM = tuple((11 * j) % 250 + 3 for j in range(12))
+CACHED = tuple(Arrival(10 * (k // 2), SYSTEM + tuple((5 * k + j) % 250 + 3 for j in range(2 + k % 3)),
+                       SamplingParams(max_tokens=MAX_TOKENS, n=N, temperature=1.0, seed=SEED + k))
+               for k in range(8))
+CACHED_CONFIG = dict(block_size=BLOCK_SIZE, num_gpu_blocks=20, enable_prefix_caching=True, watermark=0.0)
+
+
+@engine.check(2, "with prefix caching the pool fills with cached blocks nobody uses; take a copy's block with "
+                 "take_block(), which evicts one, and keep every reference count exact")
+def with_prefix_caching(cls) -> None:
+    from kvlib import LLM, EngineConfig
+
+    llm = LLM("default", EngineConfig(device="cpu", **CACHED_CONFIG), block_sharing=cls(), verbose=False)
+    try:
+        served = serve_timed(llm, list(CACHED), MAX_STEPS)
+    except BlockAllocatorError as exc:
+        if "no free block" in str(exc):
+            expect(False, f"the allocator raised {exc!r} while every free block was a cached prefix block nobody "
+                          f"used: a copy's new block must come from take_block(), which evicts one; "
+                          f"allocator.allocate() does not")
+        expect(False, f"the allocator raised {exc!r}: a reference was dropped more often than it was taken (a block "
+                      f"freed while other sequences still held it)")
+    expect(llm.metrics.prefix_cache_hit_tokens > 0, "the workload was meant to hit the prefix cache but did not")
+    seeds = tuple(a.params.seed for a in CACHED)
+    reference = _seeded_reference(tuple(a.prompt for a in CACHED), MAX_TOKENS, seeds)
+    _expect_separate([[s.token_ids for s in out.samples] for out in served.outputs], reference,
+                     " with prefix caching")
+    mid_block = sum(1 for a in CACHED if len(a.prompt) % BLOCK_SIZE)
+    copies = llm.metrics.num_cow_copies
+    expect(copies == (N - 1) * mid_block, f"the engine made {copies} copy-on-write copies with prefix caching; "
+                                          f"expected {(N - 1) * mid_block}: {N - 1} for each of the {mid_block} "
+                                          f"prompts that end mid-block")

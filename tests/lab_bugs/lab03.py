@@ -1,0 +1,37 @@
+from lab_bugs import bug
+
+BUGS = [
+    bug("exp of the raw scores: the maximum stays 0",
+        [('        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)', "        m = tl.zeros([GROUP_PAD], tl.float32)"),
+         ("            m_new = tl.maximum(m, tl.max(s, 1))\n", "            m_new = m\n")],
+        "kernel/large_scores", "engine/large_scores_in_the_engine", "engine/float16_engine"),
+    bug("the accumulator is not rescaled when the maximum rises",
+        [("            acc = acc * alpha[:, None] + tl.dot(", "            acc = acc + tl.dot(")],
+        "kernel/long_context", "engine/long_contexts"),
+    bug("the running sum is not rescaled when the maximum rises",
+        [("            l = l * alpha + tl.sum(p, 1)\n", "            l = l + tl.sum(p, 1)\n")],
+        "kernel/long_context", "engine/long_contexts"),
+    bug("query heads interleaved over kv heads (h % num_kv_heads)",
+        [("        heads = kv_head * GROUP + g\n", "        heads = kv_head + g * tl.num_programs(1)\n")],
+        "kernel/gqa_groups", "engine/long_contexts"),
+    bug("masks by whole blocks, so stale slots take part",
+        [("            valid = pos < context_len\n", "            valid = pos < tl.cdiv(context_len, BLOCK_SIZE) * BLOCK_SIZE\n")],
+        "kernel/lengths_mid_block", "engine/long_contexts"),
+    bug("the block table is ignored (blocks assumed in order)",
+        [("            block = tl.load(block_tables_ptr + seq * stride_bts + (pos // BLOCK_SIZE) * stride_btb,\n"
+          "                            mask=valid, other=0).to(tl.int64)\n",
+          "            block = (pos // BLOCK_SIZE).to(tl.int64)\n")],
+        "kernel/shuffled_block_tables", "engine/long_contexts"),
+    bug("the output in float32 whatever the query's dtype",
+        [("    out = torch.empty_like(query)\n", "    out = torch.empty_like(query, dtype=torch.float32)\n")],
+        "kernel/float16", "engine/float16_engine"),
+    bug("contiguous strides assumed for the caches",
+        [("*k_cache.stride(), *v_cache.stride(),",
+          "block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim, 1,\n"
+          "        block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim, 1,")],
+        "kernel/one_sequence", "engine/long_contexts"),
+    bug("the scale is forgotten",
+        [("            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale\n",
+          "            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)\n")],
+        "kernel/one_sequence", "engine/long_contexts"),
+]

@@ -1,0 +1,32 @@
+from lab_bugs import bug
+
+COVERING = "        covering = [c for c in others if c.num_unique_tail_blocks >= shortfall]\n"
+BUGS = [
+    bug("the newest candidate, whatever it gives (the engine's default)",
+        [("        requester = next(c for c in candidates if c.is_requester)\n", "        return candidates[-1]\n")],
+        "select_victim/one_victim_when_one_suffices", "select_victim/requester_keeps_running",
+        "engine/covers_multi_block_shortfalls"),
+    bug("coverage ignored: the newest that gives anything",
+        [(COVERING, "        covering = others\n")],
+        "select_victim/one_victim_when_one_suffices", "engine/covers_multi_block_shortfalls"),
+    bug("shared blocks counted as if they were freed",
+        [(COVERING, "        covering = [c for c in others if c.num_blocks >= shortfall]\n")],
+        "select_victim/shared_blocks_free_nothing", "engine/covers_multi_block_shortfalls"),
+    bug("largest table first when nobody covers",
+        [("key=lambda c: c.num_unique_tail_blocks)", "key=lambda c: c.num_blocks)")],
+        "select_victim/shared_blocks_free_nothing"),
+    bug("the oldest of the equals",
+        [("            return covering[-1]", "            return covering[0]")],
+        "select_victim/newest_among_equals"),
+    bug("the first candidate taken for the requester",
+        [("        requester = next(c for c in candidates if c.is_requester)\n", "        requester = candidates[0]\n"),
+         ("if not c.is_requester and c.num_unique_tail_blocks > 0]", "if c is not requester and c.num_unique_tail_blocks > 0]")],
+        "select_victim/requester_keeps_running"),
+    bug("the requester counted among the givers",
+        [("if not c.is_requester and c.num_unique_tail_blocks > 0]", "if c.num_unique_tail_blocks > 0]")],
+        "select_victim/requester_keeps_running"),
+    bug("the requester whenever nobody covers alone",
+        [("        if sum(c.num_unique_tail_blocks for c in others) < shortfall:\n",
+          "        if all(c.num_unique_tail_blocks < shortfall for c in others):\n")],
+        "select_victim/requester_keeps_running", "engine/spares_the_requester"),
+]
