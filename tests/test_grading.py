@@ -8,6 +8,7 @@ get zero.
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 from pathlib import Path
 
@@ -75,6 +76,18 @@ def test_the_last_definition_of_a_name_wins_as_when_cells_run():
     cells = ["class Pool:\n    def free(self, b):\n        return 1", "class Pool:\n    def free(self, b):\n        return 2"]
     [statement] = extract(cells, ALLOCATOR).statements
     assert statement.cell == 2
+
+
+def test_kept_definitions_show_their_source_as_triton_jit_needs_to_compile_them():
+    cells = ["x = 1", "import math\n\nclass Pool:\n    def free(self, b):\n        return math.floor(b)\n\ndef kernel(x):\n    return x + 1"]
+    namespace = {}
+    for statement in extract(cells, Rules(needs=("Pool", "kernel"), own_methods=("free",))).statements:
+        exec(statement.compile(), namespace)
+    assert inspect.getsource(namespace["kernel"]) == "def kernel(x):\n    return x + 1\n"
+    assert inspect.getsource(namespace["Pool"].free) == "    def free(self, b):\n        return math.floor(b)\n"
+    assert inspect.getsourcefile(namespace["kernel"]) == "<cell 2>"
+    jit = pytest.importorskip("triton.runtime.jit")
+    assert "return x + 1" in jit.JITFunction(namespace["kernel"]).src  # what a GPU's @triton.jit does
 
 
 @pytest.mark.parametrize("source, why", [

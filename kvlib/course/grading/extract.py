@@ -14,6 +14,7 @@ Either costs the task all its points, with a message that says which line did it
 from __future__ import annotations
 
 import ast
+import linecache
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -50,7 +51,14 @@ class Statement:
     source: str
 
     def compile(self):
-        return compile("\n" * (self.first_line - 1) + self.source, f"<cell {self.cell}>", "exec")
+        """Code whose functions can show their source: ``@triton.jit`` reads it to compile a kernel."""
+        filename = f"<cell {self.cell}>"
+        lines = list(linecache.cache.get(filename, (0, None, [], filename))[2])  # the cell's other statements
+        lines += ["\n"] * (self.first_line - 1 - len(lines))
+        own = [line if line.endswith("\n") else line + "\n" for line in self.source.splitlines(True)]
+        lines[self.first_line - 1:self.first_line - 1 + len(own)] = own
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        return compile("\n" * (self.first_line - 1) + self.source, filename, "exec")
 
 
 @dataclass
