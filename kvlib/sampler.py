@@ -1,4 +1,10 @@
-"""Turn each sequence's next-token logits into a token: greedy, or seeded temperature / top-p."""
+"""Turn each sequence's next-token logits into a token: greedy, or seeded temperature / top-p.
+
+All rows are sampled together on the logits' device and read back once. Each drawn row takes one
+uniform number from its own sequence's random stream and picks its token by inverse transform
+sampling (the first token whose cumulative probability passes it), so a seeded sample does not
+depend on what else is in the batch.
+"""
 from __future__ import annotations
 
 import torch
@@ -6,23 +12,49 @@ import torch
 from kvlib.sequence import Sequence
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of tokens whose probability reaches ``top_p`` (always at least one)."""
-    if top_p >= 1.0:
-        return probs
-    sorted_probs, order = probs.sort(descending=True)
-    before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs[before >= top_p] = 0.0
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``probs`` sorted, each cut to the smallest set of tokens reaching its ``top_p`` (always one).
+
+    Returns ``(kept, order)``: the sorted, cut probabilities and the token of each sorted column.
+    """
+    kept, order = probs.sort(dim=-1, descending=True)
+    before = kept.cumsum(-1) - kept
+    return kept.masked_fill_(before >= top_p[:, None], 0.0), order
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """One token per row of ``logits`` ``[len(seqs), vocab]``."""
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
-        params = seq.params
-        if params.greedy:
-            continue
-        probs = top_p_filter((logits[row].float() / params.temperature).softmax(-1), params.top_p)
-        tokens[row] = int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
-    return tokens
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor,
+         cut: bool) -> torch.Tensor:
+    """One token per row of ``logits`` ``[rows, vocab]`` (``cut``: some row has ``top_p < 1``)."""
+    probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
+    order = None
+    if cut:
+        probs, order = top_p_filter(probs, top_p)
+    cdf = probs.cumsum(dim=-1)
+    picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
+    return picked[:, 0] if order is None else order.gather(1, picked)[:, 0]
+
+
+class Sampler:
+    """Samples a step's rows; the per-row settings reach the device in one copy from a persistent buffer."""
+
+    def __init__(self, max_rows: int, device: torch.device):
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(4, max_rows, pin_memory=pinned)  # drawn (0 or 1), temperature, top_p, uniform
+        self.on_device = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per row of ``logits`` ``[len(seqs), vocab]``."""
+        tokens = logits.argmax(dim=-1)
+        if all(seq.params.greedy for seq in seqs):
+            return tokens.tolist()
+        count = len(seqs)
+        settings = [(0.0, 1.0, 1.0, 0.0) if seq.params.greedy else
+                    (1.0, seq.params.temperature, seq.params.top_p, float(torch.rand((), generator=seq.generator)))
+                    for seq in seqs]
+        self.host[:, :count] = torch.tensor(settings).T  # free: the previous call's read-back waited for its copy
+        if self.on_device is not self.host:
+            self.on_device[:, :count].copy_(self.host[:, :count], non_blocking=True)
+        drawn, temperature, top_p, uniform = self.on_device[:, :count]
+        cut = any(seq.params.top_p < 1.0 for seq in seqs if not seq.params.greedy)
+        tokens = torch.where(drawn > 0, draw(logits, temperature, top_p, uniform, cut), tokens)
+        return tokens.tolist()
