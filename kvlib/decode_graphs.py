@@ -60,9 +60,11 @@ class CudaGraphCapture:
 
 
 class EagerCapture:
-    """The CPU twin: replaying runs the recorded function again, on the same buffers and metadata."""
+    """The CPU twin: recording runs the step once, as recording a graph does; replaying runs it again, on the
+    same buffers and metadata."""
 
     def capture(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        step()
         return step
 
 

@@ -12,26 +12,29 @@ import torch
 from kvlib.sequence import Sequence
 
 
-def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of ``probs`` sorted, each cut to the smallest set of tokens reaching its ``top_p`` (always one).
-
-    Returns ``(kept, order)``: the sorted, cut probabilities and the token of each sorted column.
-    """
-    kept, order = probs.sort(dim=-1, descending=True)
-    before = kept.cumsum(-1) - kept
-    return kept.masked_fill_(before >= top_p[:, None], 0.0), order
+def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row cut to the tokens at least as likely as the least likely one of the smallest set reaching its
+    ``top_p`` (always one token); rows stay in vocabulary order."""
+    ranked = probs.sort(dim=-1, descending=True).values
+    before = ranked.cumsum(-1) - ranked
+    cutoff = ranked.masked_fill(before >= top_p[:, None], float("inf")).amin(dim=-1, keepdim=True)
+    cutoff.masked_fill_(top_p[:, None] >= 1.0, 0.0)  # uncut rows stay exactly as they are, rounding aside
+    return probs.masked_fill(probs < cutoff, 0.0)
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor,
          cut: bool) -> torch.Tensor:
-    """One token per row of ``logits`` ``[rows, vocab]`` (``cut``: some row has ``top_p < 1``)."""
+    """One token per row of ``logits`` ``[rows, vocab]`` (``cut``: some row has ``top_p < 1``).
+
+    The cumulative sum runs in vocabulary order for every row, cut or not, so a row's token depends on
+    its own logits and uniform number only.
+    """
     probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
-    order = None
     if cut:
-        probs, order = top_p_filter(probs, top_p)
+        probs = top_p_filter(probs, top_p)
     cdf = probs.cumsum(dim=-1)
     picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=probs.shape[1] - 1)
-    return picked[:, 0] if order is None else order.gather(1, picked)[:, 0]
+    return picked[:, 0]
 
 
 class Sampler:

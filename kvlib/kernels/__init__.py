@@ -29,16 +29,10 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _compiling() -> bool:
-    """Whether this process's Triton compiles kernels (it interprets them where kvlib found no GPU)."""
-    kernel = importlib.import_module("kvlib.kernels.cache_ops")._store_kv_kernel
-    return type(kernel).__name__ != "InterpretedFunction"
-
-
 def for_device(device: torch.device):
     """The kernel launchers for tensors on ``device``: this module's, or, for CPU tensors where Triton compiles
     (a machine with a GPU), interpreted copies (``kvlib.kernels.interpreted``)."""
-    if device.type == "cpu" and _compiling():
+    if device.type == "cpu" and not importlib.import_module("kvlib.kernels.attention_tiles").INTERPRETED:
         from kvlib.kernels.interpreted import interpreted_kernels
         return interpreted_kernels()
     return sys.modules[__name__]
