@@ -13,10 +13,12 @@ from kvlib.kv_cache import STAGING_BYTES, KVCachePool, KVCacheSpec
 from kvlib.step_inputs import Chunk, InputBuffers
 
 
-def dummy_chunks(num_tokens: int, num_seqs: int, block_size: int, first_block: int = 0) -> list[Chunk]:
-    """``num_tokens`` tokens of token id 0 in ``num_seqs`` sampled sequences, each in its own consecutive blocks."""
+def dummy_chunks(num_tokens: int, num_seqs: int, block_size: int, max_len: int) -> list[Chunk]:
+    """Up to ``num_tokens`` tokens of token id 0 in ``num_seqs`` sampled sequences of at most ``max_len`` tokens,
+    each in its own consecutive blocks: the largest step the scheduler can make of them."""
+    num_tokens = min(num_tokens, num_seqs * max_len)
     num_seqs = max(1, min(num_seqs, num_tokens))
-    chunks, block = [], first_block
+    chunks, block = [], 0
     for i in range(num_seqs):
         length = num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0)
         blocks = -(-length // block_size)
@@ -52,11 +54,12 @@ def kv_budget_bytes(free_bytes: int, utilization: float, activation_bytes: int, 
 
 
 def device_blocks_that_fit(model, backend, spec: KVCacheSpec, buffers: InputBuffers, utilization: float,
-                           max_num_seqs: int, graph_batch: int) -> int:
+                           max_num_seqs: int, max_model_len: int, graph_batch: int) -> int:
     """Blocks of ``spec`` the GPU can hold once a forward of the largest step and of the largest decode graph fit."""
-    prefill = forward_peak_bytes(model, backend, spec, buffers,
-                                 dummy_chunks(buffers.max_num_tokens, max_num_seqs, spec.block_size))
-    decode = forward_peak_bytes(model, backend, spec, buffers, dummy_chunks(graph_batch, graph_batch, spec.block_size))
+    largest = dummy_chunks(buffers.max_num_tokens, max_num_seqs, spec.block_size, max_model_len)
+    prefill = forward_peak_bytes(model, backend, spec, buffers, largest)
+    decode = forward_peak_bytes(model, backend, spec, buffers,
+                                dummy_chunks(graph_batch, graph_batch, spec.block_size, max_model_len))
     free, _ = torch.cuda.mem_get_info(buffers.device)
     budget = kv_budget_bytes(free, utilization, prefill, decode + STAGING_BYTES)
     if budget < spec.block_bytes:

@@ -62,7 +62,7 @@ class ModelRunner:
         on_gpu = device.type == "cuda"
         if num_gpu_blocks is None:
             num_gpu_blocks = (device_blocks_that_fit(model, backend, self.spec, self.buffers, gpu_memory_utilization,
-                                                     max_num_seqs, max(self.buckets)) if on_gpu
+                                                     max_num_seqs, self.max_model_len, max(self.buckets)) if on_gpu
                               else max(1, CPU_KV_BUDGET_BYTES // self.spec.block_bytes))
         self.gpu_pool = KVCachePool(self.spec, num_gpu_blocks, device)
         self.cpu_pool = KVCachePool(self.spec, num_cpu_blocks, "cpu", pin_memory=on_gpu)

@@ -42,7 +42,7 @@ class Sampler:
 
     def __init__(self, max_rows: int, device: torch.device):
         pinned = device.type == "cuda"
-        self.host = torch.zeros(4, max_rows, pin_memory=pinned)  # drawn (0 or 1), temperature, top_p, uniform
+        self.host = torch.zeros(max_rows, 4, pin_memory=pinned)  # per row: drawn (0 or 1), temperature, top_p, uniform
         self.on_device = self.host if device.type == "cpu" else torch.zeros_like(self.host, device=device)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -51,13 +51,13 @@ class Sampler:
         if all(seq.params.greedy for seq in seqs):
             return tokens.tolist()
         count = len(seqs)
-        settings = [(0.0, 1.0, 1.0, 0.0) if seq.params.greedy else
-                    (1.0, seq.params.temperature, seq.params.top_p, float(torch.rand((), generator=seq.generator)))
-                    for seq in seqs]
-        self.host[:, :count] = torch.tensor(settings).T  # free: the previous call's read-back waited for its copy
+        self.host[:count] = torch.tensor([
+            (0.0, 1.0, 1.0, 0.0) if seq.params.greedy else
+            (1.0, seq.params.temperature, seq.params.top_p, float(torch.rand((), generator=seq.generator)))
+            for seq in seqs])  # free: the previous call's read-back waited for its copy
         if self.on_device is not self.host:
-            self.on_device[:, :count].copy_(self.host[:, :count], non_blocking=True)
-        drawn, temperature, top_p, uniform = self.on_device[:, :count]
+            self.on_device[:count].copy_(self.host[:count], non_blocking=True)
+        drawn, temperature, top_p, uniform = self.on_device[:count].T
         cut = any(seq.params.top_p < 1.0 for seq in seqs if not seq.params.greedy)
         tokens = torch.where(drawn > 0, draw(logits, temperature, top_p, uniform, cut), tokens)
         return tokens.tolist()

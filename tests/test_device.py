@@ -40,3 +40,13 @@ def test_triton_backend_on_cpu_where_triton_compiles():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+def test_bfloat16_triton_on_cpu_is_refused_not_wrong():
+    """The interpreter's bfloat16 attention gave other tokens than float32 (1401 repeated): refuse it clearly."""
+    from kvlib import LLM, EngineConfig, SamplingParams
+    llm = LLM("default", EngineConfig(attention_backend="triton", dtype="bfloat16", device="cpu", num_gpu_blocks=8),
+              verbose=False)
+    with pytest.raises(TypeError, match="dtype='float32'"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=2))

@@ -31,6 +31,9 @@ class TritonAttentionBackend:
         kernels.for_device(key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if query.device.type == "cpu" and query.dtype == torch.bfloat16:
+            raise TypeError("Triton's interpreter, which runs the kernels on CPU tensors, computes bfloat16 attention "
+                            "wrongly; on a CPU use dtype='float32' or 'float16', or attention_backend='torch'")
         run = kernels.for_device(query.device)
         if meta.is_decode_only:
             return self._decode(run, query, k_cache, v_cache, meta, scale)
