@@ -91,6 +91,8 @@ def copy_host_blocks(src: KVCachePool, dst: KVCachePool, src_ids: list[int], dst
     """
     _check_ids(src, src_ids, "source")
     _check_ids(dst, dst_ids, "destination")
+    if not (src.data.is_contiguous() and dst.data.is_contiguous()):
+        raise ValueError("copy_host_blocks addresses blocks by offset: both pools' data must be contiguous")
     nbytes = src.spec.block_bytes
     src_base, dst_base = src.data.data_ptr(), dst.data.data_ptr()
     for s, d in zip(src_ids, dst_ids):
