@@ -13,7 +13,9 @@ it reads, the sizes, and every value the host computed while recording. So:
   engine's ``max_model_len``, so the decode kernel's split count and split size are those of the
   bucket (``choose_num_splits``); splits past a sequence's end return at once;
 - only a backend whose decode reads nothing back to the host may be captured (the Triton one;
-  ``graph_safe``).
+  ``graph_safe``);
+- a graph ends at the last layer's hidden states, ``[bucket, hidden]``; the language-model head
+  runs after the replay on the sampled rows only, so no graph keeps a ``[bucket, vocab]`` output.
 
 Capturing goes through a seam: ``CudaGraphCapture`` records a real graph; its CPU twin,
 ``EagerCapture``, "replays" by calling the recorded function again on the same buffers and the same
@@ -81,13 +83,12 @@ class DecodeGraphs:
                  buckets: list[int], capture):
         self.model, self.pool, self.backend, self.buffers = model, pool, backend, buffers
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.all_rows = torch.arange(max(buckets), device=buffers.device)  # every row gets logits in a graph
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         for bucket in sorted(buckets, reverse=True):
             inputs = self._pack([], bucket)
 
-            def step(inputs=inputs, bucket=bucket) -> torch.Tensor:
-                return model(inputs.token_ids, inputs.positions, pool, inputs.meta, backend, self.all_rows[:bucket])
+            def step(inputs=inputs) -> torch.Tensor:
+                return model.hidden_states(inputs.token_ids, inputs.positions, pool, inputs.meta, backend)
             self.replays[bucket] = capture.capture(step)
 
     @property
@@ -98,7 +99,7 @@ class DecodeGraphs:
         """Logits ``[sampled chunks, vocab]`` of a decode step of at most ``largest`` single-token chunks."""
         bucket = min(b for b in self.replays if b >= len(chunks))
         inputs = self._pack(chunks, bucket)
-        return self.replays[bucket]().index_select(0, inputs.logits_rows)
+        return self.model.logits(self.replays[bucket]().index_select(0, inputs.logits_rows))
 
     def _pack(self, chunks: list[Chunk], bucket: int):
         return self.buffers.pack(chunks or [PADDING], self.block_size, self.model.config.sliding_window,

@@ -131,11 +131,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
                 backend, logits_rows: torch.Tensor) -> torch.Tensor:
         """Run one step over packed tokens; return logits only for ``logits_rows`` (the sampled ones)."""
+        return self.logits(self.hidden_states(token_ids, positions, kv_cache, meta, backend)[logits_rows])
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                      backend) -> torch.Tensor:
+        """The last layer's output for every packed token, ``[num_tokens, hidden]``, K/V stored on the way."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
         x = self.model.embed_tokens(token_ids)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_cache.layer(index), meta, backend)
-        x = self.model.norm(x[logits_rows])
-        return self.lm_head(x).float()
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab]`` float32 logits of hidden states ``[rows, hidden]``."""
+        return self.lm_head(self.model.norm(hidden)).float()
