@@ -81,8 +81,7 @@ class DecodeGraphs:
 
     def __init__(self, model, pool, backend, buffers: InputBuffers, block_size: int, max_model_len: int,
                  buckets: list[int], capture):
-        self.model, self.pool, self.backend, self.buffers = model, pool, backend, buffers
-        self.block_size, self.max_model_len = block_size, max_model_len
+        self.model, self.buffers, self.block_size, self.max_model_len = model, buffers, block_size, max_model_len
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         for bucket in sorted(buckets, reverse=True):
             inputs = self._pack([], bucket)
