@@ -43,9 +43,18 @@ def resolve_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
+def default_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """float32 on a CPU; on a GPU bfloat16 from compute capability 8.0 (its range is float32's, so activations
+    cannot overflow), float16 below it, where bfloat16 has no fast path."""
+    if device_type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if capability >= (8, 0) else torch.float16
+
+
 def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return default_dtype(device.type, capability)
     return getattr(torch, requested)
 
 

@@ -53,7 +53,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, attention_backend, block_size=config.block_size,
                                   num_gpu_blocks=config.num_gpu_blocks, num_cpu_blocks=config.num_cpu_blocks,
                                   device=self.device, dtype=self.dtype,
-                                  gpu_memory_utilization=config.gpu_memory_utilization)
+                                  gpu_memory_utilization=config.gpu_memory_utilization,
+                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=self.max_model_len)
         num_gpu_blocks = self.runner.gpu_pool.num_blocks
         make_allocator = allocator or BlockAllocator
         self.block_manager = (block_manager or BlockManager)(

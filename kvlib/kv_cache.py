@@ -3,15 +3,28 @@
 Layout: one tensor per pool of shape ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
 The block index comes first on purpose: everything one block holds, for every layer, K and V,
 is one contiguous run of bytes. Moving a block between pools is therefore one contiguous copy,
-not ``2 * num_layers`` small ones, and moving N blocks is one gather plus one copy. Attention
-reads one layer through a strided view, ``data[:, layer, 0]``, which costs the kernels nothing:
-they address blocks through strides anyway.
+not ``2 * num_layers`` small ones. Attention reads one layer through a strided view,
+``data[:, layer, 0]``, which costs the kernels nothing: they address blocks through strides anyway.
+
+Blocks move between pools through one function, :func:`copy_blocks_between`, which the engine's
+swaps and the cost probe's timing both call, so the probe measures the path the engine takes:
+
+- host memory to host memory (the device pool on a CPU): each pair is one ``memmove`` of the
+  block's bytes, read once and written once, with nothing staged in between;
+- a GPU pool and a pinned host pool: the pool's :class:`~kvlib.block_transfer.StagedTransfer`,
+  a persistent staging buffer and a copy stream ordered by events.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
+
+from kvlib.block_transfer import StagedTransfer
+from kvlib.streams import streams_for
+
+STAGING_BYTES = 256 * 2**20  # a GPU pool's staging buffer for block transfers (at most the pool itself)
 
 
 @dataclass(frozen=True)
@@ -35,13 +48,20 @@ class KVCacheSpec:
 
 
 class KVCachePool:
-    """The blocks of one pool. ``data[b]`` is block ``b``: all layers, K and V."""
+    """The blocks of one pool. ``data[b]`` is block ``b``: all layers, K and V.
+
+    A GPU pool also owns the staging buffer and copy stream its transfers to and from the host go
+    through (``transfer``), allocated with it so that serving never allocates for a swap.
+    """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str, pin_memory: bool = False):
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.data = torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin_memory)
+        self.transfer = None
+        if self.data.device.type == "cuda":
+            self.transfer = StagedTransfer(self.data, streams_for(self.data.device), staging_blocks(spec, num_blocks))
 
     @property
     def device(self) -> torch.device:
@@ -52,36 +72,64 @@ class KVCachePool:
         return self.data[:, index, 0], self.data[:, index, 1]
 
 
-def gather_blocks(pool: KVCachePool, ids: list[int]) -> torch.Tensor:
-    """Blocks ``ids`` of a pool, all layers, K and V, as one contiguous staging tensor (one call).
+def staging_blocks(spec: KVCacheSpec, num_blocks: int) -> int:
+    """Blocks a GPU pool's staging buffer holds: ``STAGING_BYTES`` worth, at most the pool, at least 2."""
+    return max(2, min(num_blocks, STAGING_BYTES // spec.block_bytes))
 
-    Gathered from a pinned host pool, the staging tensor is pinned too, so its copy to the device
-    can run asynchronously.
+
+def _check_ids(pool: KVCachePool, ids: list[int], role: str) -> None:
+    if min(ids) < 0 or max(ids) >= pool.num_blocks:
+        bad = next(i for i in ids if not 0 <= i < pool.num_blocks)
+        raise IndexError(f"{role} block {bad} is outside its pool of {pool.num_blocks} blocks")
+
+
+def copy_host_blocks(src: KVCachePool, dst: KVCachePool, src_ids: list[int], dst_ids: list[int]) -> None:
+    """Host memory to host memory, one pass: each pair is one ``memmove`` of a block's contiguous bytes.
+
+    The ids are checked first, since ``memmove`` checks nothing. ``src`` and ``dst`` are different
+    pools, so no copy can overwrite another's source.
     """
-    staged = pool.data.index_select(0, torch.tensor(ids, dtype=torch.long, device=pool.device))
-    return staged.pin_memory() if pool.data.is_pinned() else staged
+    _check_ids(src, src_ids, "source")
+    _check_ids(dst, dst_ids, "destination")
+    if not (src.data.is_contiguous() and dst.data.is_contiguous()):
+        raise ValueError("copy_host_blocks addresses blocks by offset: both pools' data must be contiguous")
+    nbytes = src.spec.block_bytes
+    src_base, dst_base = src.data.data_ptr(), dst.data.data_ptr()
+    for s, d in zip(src_ids, dst_ids):
+        ctypes.memmove(dst_base + d * nbytes, src_base + s * nbytes, nbytes)
 
 
-def scatter_blocks(pool: KVCachePool, ids: list[int], staged: torch.Tensor) -> None:
-    """Write staged blocks into blocks ``ids`` of a pool: one copy across devices, one scatter.
-
-    Towards the device the copy is asynchronous (from pinned memory when the host pool is pinned)
-    and the scatter is queued behind it on the same stream. Towards the host the copy must have
-    landed before the CPU scatters it, so it is synchronous.
-    """
-    if staged.device != pool.device:
-        to_device = pool.device.type != "cpu"
-        staged = staged.to(pool.device, non_blocking=to_device and staged.is_pinned())
-    pool.data.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), staged)
+def copy_blocks_reading_first(pool: KVCachePool, src_ids: list[int], dst_ids: list[int]) -> None:
+    """Within one pool, where a destination may also be a source: every source is read before anything is written."""
+    src = torch.tensor(src_ids, dtype=torch.long, device=pool.device)
+    dst = torch.tensor(dst_ids, dtype=torch.long, device=pool.device)
+    pool.data.index_copy_(0, dst, pool.data.index_select(0, src))
 
 
 def copy_blocks_between(src: KVCachePool, dst: KVCachePool, src_ids: list[int], dst_ids: list[int]) -> None:
     """Copy blocks ``src_ids`` of one pool into blocks ``dst_ids`` of another (or the same) pool.
 
-    One gather into a contiguous staging tensor, one copy across devices, one scatter: three calls
-    whatever the number of blocks and layers.
+    On a GPU the copy is asynchronous: work queued after it on the compute stream sees the blocks
+    that moved to the device; the host pool's blocks are final once the device is synchronized.
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    if src_ids:
-        scatter_blocks(dst, dst_ids, gather_blocks(src, src_ids))
+    if src.spec != dst.spec:
+        raise ValueError(f"the pools hold different blocks: {src.spec} and {dst.spec}")
+    if not src_ids:
+        return
+    if src is dst:
+        copy_blocks_reading_first(src, src_ids, dst_ids)
+    elif src.device.type == dst.device.type == "cpu":
+        copy_host_blocks(src, dst, src_ids, dst_ids)
+    else:
+        device, host = (src, dst) if src.transfer is not None else (dst, src)
+        if host.device.type != "cpu" or device.transfer is None:
+            raise ValueError(f"blocks move between a GPU pool and a host pool, not {src.device} and {dst.device}")
+        if not host.data.is_pinned():
+            raise ValueError("the host pool is in pageable memory, which the GPU cannot copy to asynchronously: "
+                             "create it with KVCachePool(..., 'cpu', pin_memory=True)")
+        if device is src:
+            device.transfer.to_host(host.data, src_ids, dst_ids)
+        else:
+            device.transfer.to_device(host.data, src_ids, dst_ids)

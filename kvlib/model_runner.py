@@ -1,8 +1,14 @@
 """The model runner: owns the model, the KV pools and the attention backend, and runs one plan.
 
-For each step it carries out the block moves, packs the scheduled tokens into tensors, runs the
-forward pass and samples one token per draw. It never decides anything: the plan comes from the
-scheduler, and what the tokens mean is the scheduler's to record.
+For each step it carries out the block moves, packs the scheduled tokens into its persistent input
+buffers, runs the forward pass (a decode step on a GPU by replaying a CUDA graph) and samples one
+token per draw. It never decides anything: the plan comes from the scheduler, and what the tokens
+mean is the scheduler's to record.
+
+On a GPU, before serving, it measures a forward of the largest step to size the pool
+(``memory_profile``), launches every kernel variant once (``warm_up``) and captures the decode
+graphs (``decode_graphs``). Nothing in a step synchronizes the device except reading the sampled
+tokens back, which the scheduler needs.
 """
 from __future__ import annotations
 
@@ -10,78 +16,76 @@ import time
 
 import torch
 
-from kvlib.attention.metadata import AttentionMetadata
 from kvlib.block_manager import BlockMoves
 from kvlib.cost_probe import measure_cost_model
-from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
+from kvlib.decode_graphs import CudaGraphCapture, DecodeGraphs, batch_buckets, graph_safe
+from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_blocks_reading_first
+from kvlib.memory_profile import device_blocks_that_fit
 from kvlib.preemption import PreemptionCostModel
-from kvlib.sampler import sample
+from kvlib.sampler import Sampler
 from kvlib.scheduler import SchedulerOutput
 from kvlib.sequence import Sequence
+from kvlib.step_inputs import Chunk, InputBuffers, table_width
+from kvlib.streams import streams_for
+from kvlib.warm_up import warm_up
 
 CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_blocks is None
 
 
-def build_step_inputs(scheduled: list[tuple[Sequence, int]], block_size: int, device: torch.device,
-                      sliding_window: int | None = None):
-    """Token ids, positions and attention metadata for packed sequences, plus the rows to sample.
-
-    A sequence is sampled only when this step computes its last token: a chunk in the middle
-    of a long prompt produces no token.
-    """
-    token_ids, positions, slots, context_lens, query_start, logits_rows = [], [], [], [], [0], []
-    tables = []
-    for seq, num_new in scheduled:
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-        blocks = seq.block_table.blocks
-        token_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        tables.append(blocks)
-        context_lens.append(end)
-        query_start.append(query_start[-1] + num_new)
-        if end == seq.num_tokens:
-            logits_rows.append(query_start[-1] - 1)
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
-        max_query_len=max(n for _, n in scheduled),
-        max_context_len=max(context_lens),
-        sliding_window=sliding_window,
-    )
-    return (torch.tensor(token_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device), meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=device))
+def chunk_of(seq: Sequence, num_new: int) -> Chunk:
+    """The ``num_new`` tokens ``seq`` computes from ``num_computed_tokens`` on (without copying its whole token list)."""
+    start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+    prompt, outputs = seq.prompt_token_ids, seq.output_token_ids
+    if end <= len(prompt):
+        tokens = prompt[start:end]
+    elif start >= len(prompt):
+        tokens = outputs[start - len(prompt):end - len(prompt)]
+    else:
+        tokens = prompt[start:] + outputs[:end - len(prompt)]
+    return Chunk(tokens, start, seq.block_table.blocks, sampled=end == seq.num_tokens)
 
 
 class ModelRunner:
     def __init__(self, model, backend, *, block_size: int, num_gpu_blocks: int | None, num_cpu_blocks: int,
-                 device: torch.device, dtype: torch.dtype, gpu_memory_utilization: float = 0.9):
+                 device: torch.device, dtype: torch.dtype, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 4096, max_model_len: int | None = None):
         self.model = model
         self.backend = backend
         self.device = device
         config = model.config
+        self.max_model_len = max_model_len or config.max_position_embeddings
         self.spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
-        num_gpu_blocks = num_gpu_blocks or self._blocks_that_fit(gpu_memory_utilization)
+        self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
+                                    table_width(self.max_model_len, block_size), device, streams_for(device))
+        self.sampler = Sampler(max_num_seqs, device)
+        self.buckets = batch_buckets(max_num_seqs)
+        on_gpu = device.type == "cuda"
+        if num_gpu_blocks is None:
+            num_gpu_blocks = (device_blocks_that_fit(model, backend, self.spec, self.buffers, gpu_memory_utilization,
+                                                     max_num_seqs, self.max_model_len, max(self.buckets)) if on_gpu
+                              else max(1, CPU_KV_BUDGET_BYTES // self.spec.block_bytes))
         self.gpu_pool = KVCachePool(self.spec, num_gpu_blocks, device)
-        self.cpu_pool = KVCachePool(self.spec, num_cpu_blocks, "cpu", pin_memory=device.type == "cuda")
+        self.cpu_pool = KVCachePool(self.spec, num_cpu_blocks, "cpu", pin_memory=on_gpu)
+        self.graphs: DecodeGraphs | None = None
+        if on_gpu:
+            warm_up(self)
+            if graph_safe(backend):
+                self.set_decode_graphs(CudaGraphCapture(device))
 
-    def _blocks_that_fit(self, utilization: float) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free * utilization
-        else:
-            budget = CPU_KV_BUDGET_BYTES
-        return max(1, int(budget // self.spec.block_bytes))
+    def set_decode_graphs(self, capture) -> None:
+        """Replay decode steps from graphs recorded by ``capture`` (``CudaGraphCapture``, or the CPU twin
+        ``EagerCapture``); None runs every step eagerly."""
+        self.graphs = None  # the old graphs' memory goes back before new ones are recorded
+        if capture is not None:
+            self.graphs = DecodeGraphs(self.model, self.gpu_pool, self.backend, self.buffers, self.spec.block_size,
+                                       self.max_model_len, self.buckets, capture)
 
     def measure_cost_model(self) -> PreemptionCostModel:
         return measure_cost_model(self.model, self.gpu_pool, self.backend)
 
     def execute_moves(self, moves: BlockMoves) -> float:
-        """Carry out a step's block moves in their three phases; returns the seconds they took.
+        """Carry out a step's block moves in their three phases; returns the seconds the host spent on them
+        (on a GPU the copies then run on, ordered before anything that reads their blocks).
 
         Device to host first, so a device block a swap-out freed can be reused by the later
         phases; then copy-on-write; then host to device, which may read a host block the first
@@ -95,23 +99,27 @@ class ModelRunner:
         if moves.copies:
             src, dst = map(list, zip(*moves.copies))
             if set(src) & set(dst):  # a source freed and reused in the same step: read all before writing any
-                copy_blocks_between(self.gpu_pool, self.gpu_pool, src, dst)
+                copy_blocks_reading_first(self.gpu_pool, src, dst)
             else:
                 self.backend.copy_blocks(self.gpu_pool.data, src, dst)
         if moves.to_device:
             copy_blocks_between(self.cpu_pool, self.gpu_pool, *map(list, zip(*moves.to_device)))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Logits ``[sequences completing this step, vocab]``, in plan order."""
-        ids, positions, meta, rows = build_step_inputs(plan.scheduled, self.spec.block_size, self.device,
-                                                       self.model.config.sliding_window)
-        return self.model(ids, positions, self.gpu_pool, meta, self.backend, rows)
+        chunks = [chunk_of(seq, num_new) for seq, num_new in plan.scheduled]
+        if self.graphs is not None and len(chunks) <= self.graphs.largest and all(len(c.token_ids) == 1 for c in chunks):
+            return self.graphs.run(chunks)
+        inputs = self.buffers.pack(chunks, self.spec.block_size, self.model.config.sliding_window)
+        return self.model(inputs.token_ids, inputs.positions, self.gpu_pool, inputs.meta, self.backend,
+                          inputs.logits_rows)
 
     def sample(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[int]:
         draws = plan.draws()
         if not draws:
             return []
-        return sample(logits[[row for _, row in draws]], [seq for seq, _ in draws])
+        rows = [row for _, row in draws]
+        if rows != list(range(logits.shape[0])):  # forked samples share their parent's row
+            logits = logits[rows]
+        return self.sampler.sample(logits, [seq for seq, _ in draws])

@@ -8,7 +8,7 @@ Each variant is captured from the real launcher: the kernel is swapped for a rec
 launcher runs on CPU tensors shaped as the engine's (a 6-d pool, head dim 128, blocks of 16), and
 the recorded arguments are compiled with the specialization a launch would get: integer
 arguments equal to 1 become constants, multiples of 16 and the (16-byte aligned) pointers carry
-a divisibility hint. Head dim 128 is the largest kvlib's architectures use; smaller head dims
+a divisibility hint, except for the integers a kernel declares ``do_not_specialize``. Head dim 128 is the largest kvlib's architectures use; smaller head dims
 compile to smaller tiles. For each compiled variant the report gives:
 
 - what ``ptxas -v`` says: registers, spill stores and spill loads;
@@ -104,7 +104,8 @@ def specialize(kernel, args: tuple, kwargs: dict):
     signature, constants, attrs = {}, {}, {}
     for index, (name, param) in enumerate(zip(kernel.arg_names, kernel.params)):
         value = bound[name]
-        if param.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        varying = param.do_not_specialize  # compiled for any value: no constant, no divisibility hint
+        if param.is_constexpr or (isinstance(value, int) and not isinstance(value, bool) and value == 1 and not varying):
             signature[name], constants[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
@@ -113,7 +114,7 @@ def specialize(kernel, args: tuple, kwargs: dict):
             signature[name] = "fp32"
         elif isinstance(value, int):
             signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if value % 16 == 0 and not varying:
                 attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             raise TypeError(f"{kernel.__name__}: argument {name} of type {type(value).__name__}")

@@ -18,3 +18,12 @@ def test_both_engines_serve_every_request(checkpoint):
     for row in (run_kvlib(folder, requests, budget, block_size=4), run_transformers(folder, requests, budget)):
         assert row["output tokens/s"] * row["wall s"] == pytest.approx(sum(r.max_tokens for r in requests))
         assert 0 <= row["TTFT p50 s"] <= row["E2E p99 s"]
+
+
+def test_the_step_profile_accounts_for_the_steps(checkpoint):
+    folder = checkpoint("llama-gqa")
+    requests = make_workload(4, 0.05, 1000.0, vocab_size=96)
+    profile = run_kvlib(folder, requests, 4 * max(len(r.prompt) + r.max_tokens for r in requests), block_size=4)["profile"]
+    parts = ("scheduling %", "block moves %", "forward %", "sampling %", "other %")
+    assert sum(profile[p] for p in parts) == pytest.approx(100)
+    assert 0 < profile["attention %"] < profile["forward %"] and profile["other %"] >= 0

@@ -155,3 +155,14 @@ def test_cpu_decode_bench_compares_the_same_step():
     table = bench_kernels.run_torch_decode_bench(TINY_MODEL, batch=4, contexts=(20, 40), steps=1)
     assert [row["attention"] for row in table] == ["torch backend", "paged_attention_reference"]
     assert all(0 < row["attention ms/step"] < row["forward ms/step"] for row in table)
+
+
+def test_roofline_counts_the_step_it_times():
+    from kvlib.cli.bench import roofline
+    from kvlib.model.config import ModelConfig
+    config = ModelConfig(**TINY_MODEL)
+    per_token = 2 * (2 * (64 * (6 + 2 * 2) * 16 + 6 * 16 * 64 + 3 * 64 * 128) + 64 * 96)
+    assert roofline.decode_step_flops(config, [10, 20]) == 2 * per_token + 2 * 2 * 2 * 6 * 16 * 30
+    row, = roofline.run_roofline(TINY_MODEL, batch=3, contexts=(20, 40), steps=1)
+    assert row["step ms, best"] <= row["step ms, median"]
+    assert row["% of matmul rate, best"] == pytest.approx(100 * row["step GFLOPS, best"] / row["matmul GFLOPS (32x576x1536)"])

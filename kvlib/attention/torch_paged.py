@@ -9,6 +9,9 @@ written to be fast and must agree with it. Two habits make the difference:
 - No further copies: the matmuls read the gathered ``[..., tokens, kv_heads, head_dim]`` tensor
   through strided views, one kv head at a time, so grouped-query attention never repeats K/V.
 
+Decode plans its reads once per step (``decode_groups``, kept in ``meta.derive``) and gathers a
+few megabytes at a time, so what it has just copied is still in cache when the matmuls read it.
+
 Prefill goes through ``scaled_dot_product_attention`` a chunk of queries at a time, so a call
 holds at most ``SCORE_BUDGET`` scores (or one query's, if more) even where SDPA falls back to
 materializing them, never the ``[heads, L, L]`` of a whole prompt.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +30,7 @@ from kvlib.attention.metadata import AttentionMetadata
 MAX_QUERY_CHUNK = 256  # query tokens per SDPA call at most
 SCORE_BUDGET = 1 << 24  # scores per SDPA call at most (64 MiB in float32): fewer queries when keys are many
 SCRATCH_ELEMENTS = 1 << 22  # elements of each reused gather buffer (16 MiB in float32)
+DECODE_GROUP_BYTES = 4 << 20  # K and V a group of decodes gathers per layer: they stay in cache for the matmuls
 
 
 class GatherScratch:
@@ -66,56 +71,89 @@ def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, scratch: GatherScr
     return out
 
 
+@dataclass
+class DecodeGroup:
+    """Sequences of one decode step read together: their rows, the blocks they read, what they may not see."""
+
+    rows: torch.Tensor  # [n] int64, rows of the step's query
+    block_ids: torch.Tensor  # [n * num_cols] int64, num_cols consecutive table columns per sequence
+    bias: torch.Tensor  # [n, 1, num_cols * block_size] float32: 0 where visible, -inf elsewhere
+
+
+def decode_groups(meta: AttentionMetadata, block_size: int, block_bytes: int, budget_bytes: int) -> list[DecodeGroup]:
+    """The step's decodes, longest first, cut into groups whose K and V fit ``budget_bytes``.
+
+    Each sequence reads the columns of its block table from the block holding the first position it
+    can see (0 without a window) up to its group's longest context; positions outside ``first ..
+    context_len-1`` are masked, including the table's padding. Sorting by length keeps the padding
+    small when lengths differ; small groups keep a layer's gathered K/V in cache for the matmuls.
+    """
+    _, context_lens = meta.host_lengths
+    window = meta.sliding_window
+    device = meta.block_tables.device
+    order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+    groups, start = [], 0
+    while start < len(order):
+        longest = context_lens[order[start]]
+        num_cols = -(-longest // block_size)
+        if window is not None:
+            num_cols = min(num_cols, -(-(window - 1) // block_size) + 1)
+        n = max(1, min(len(order) - start, budget_bytes // (2 * num_cols * block_bytes)))
+        rows = torch.tensor(order[start:start + n], device=device)
+        lens = meta.context_lens[rows].long()
+        first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+        cols = first[:, None] // block_size + torch.arange(num_cols, device=device)  # [n, num_cols]
+        tables = meta.block_tables[rows]
+        block_ids = tables.gather(1, cols.clamp(max=tables.shape[1] - 1)).long().flatten()
+        positions = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+        hidden = (positions < first[:, None]) | (positions >= lens[:, None])  # [n, num_cols * block_size]
+        bias = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None, :]
+        groups.append(DecodeGroup(rows, block_ids, bias))
+        start += n
+    return groups
+
+
 def paged_decode_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, scratch: GatherScratch | None = None) -> torch.Tensor:
-    """Decode (one query per sequence) for the whole batch at once: one gather, one masked softmax.
+    """Decode (one query per sequence): per group of sequences (``decode_groups``, planned once per step),
+    one gather of K and of V, then one masked softmax.
 
-    Each sequence reads ``num_cols`` consecutive columns of its block table, starting at the block
-    that holds the first position it can see (0 without a window); positions outside ``first ..
-    context_len-1`` are masked, including the table's padding. With ``scratch``, sequences go in
-    groups whose K/V fit its buffers.
+    With ``scratch``, a group's K/V fit its buffers as well as the cache budget.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    device = query.device
-    context_lens = meta.context_lens.to(device=device, dtype=torch.long)
-    num_cols = -(-meta.max_context_len // block_size)
-    first = torch.zeros_like(context_lens)
-    if meta.sliding_window is not None:
-        num_cols = min(num_cols, -(-(meta.sliding_window - 1) // block_size) + 1)
-        first = (context_lens - meta.sliding_window).clamp(min=0)
-    cols = first[:, None] // block_size + torch.arange(num_cols, device=device)  # [num_seqs, num_cols]
-    tables = meta.block_tables.to(device)
-    block_ids = tables.gather(1, cols.clamp(max=tables.shape[1] - 1)).long()
-    positions = (cols[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
-    hidden = (positions < first[:, None]) | (positions >= context_lens[:, None])  # [num_seqs, tokens]
-
-    out = torch.empty_like(query)
-    per_group = num_seqs if scratch is None else max(1, scratch.max_elements // (num_cols * k_cache[0].numel()))
-    for s in range(0, num_seqs, per_group):
-        ids = block_ids[s:s + per_group].flatten()
-        n = min(per_group, num_seqs - s)
-        keys = read_blocks(k_cache, ids, scratch, "k").view(n, -1, kv_heads, head_dim).float()  # [n, tokens, kv, d]
-        values = read_blocks(v_cache, ids, scratch, "v").view(n, -1, kv_heads, head_dim).float()
-        out[s:s + n] = _attend_decode(query[s:s + n], keys, values, hidden[s:s + n], scale)
+    block_bytes = k_cache[0].numel() * k_cache.element_size()
+    budget = DECODE_GROUP_BYTES if scratch is None else min(DECODE_GROUP_BYTES,
+                                                            2 * scratch.max_elements * k_cache.element_size())
+    groups = meta.derive(f"decode groups {block_size} {block_bytes} {budget}",
+                         lambda: decode_groups(meta, block_size, block_bytes, budget))
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    for group in groups:
+        n = group.rows.shape[0]
+        keys = read_blocks(k_cache, group.block_ids, scratch, "k").view(n, -1, kv_heads, head_dim)  # [n, tokens, kv, d]
+        values = read_blocks(v_cache, group.block_ids, scratch, "v").view(n, -1, kv_heads, head_dim)
+        out[group.rows] = _attend_decode(query[group.rows], keys.float(), values.float(), group.bias, scale)
     return out
 
 
-def _attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+def _attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
                    scale: float) -> torch.Tensor:
     """``query`` ``[seqs, heads, d]`` over gathered ``keys``/``values`` ``[seqs, tokens, kv_heads, d]``.
 
-    One kv head at a time, through strided views of the gathered tensors: no further copies, and
-    the kv head's whole query group is one matmul.
+    One kv head at a time, through strided views of the gathered tensors: no further copies, the kv
+    head's whole query group is one matmul, and the mask is added by the same call (``baddbmm``).
     """
     num_seqs, num_heads, head_dim = query.shape
     kv_heads = keys.shape[2]
-    q = query.float().view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].transpose(1, 2)) for h in range(kv_heads)], dim=1)
-    scores = (scores * scale).masked_fill_(hidden[:, None, None, :], float("-inf"))  # [seqs, kv, group, tokens]
+    q = (query.float() * scale).view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.empty(kv_heads, num_seqs, num_heads // kv_heads, keys.shape[1], device=query.device)
+    for h in range(kv_heads):
+        torch.baddbmm(bias, q[:, h], keys[:, :, h].transpose(1, 2), out=scores[h])  # [seqs, group, tokens]
     probs = scores.softmax(dim=-1)
-    out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(kv_heads)], dim=1)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    out = torch.empty(kv_heads, num_seqs, num_heads // kv_heads, head_dim, device=query.device)
+    for h in range(kv_heads):
+        torch.bmm(probs[h], values[:, :, h], out=out[h])
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_sequence(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -167,16 +205,9 @@ def paged_attention_mixed(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     query_lens, context_lens = meta.host_lengths
     starts = [0, *itertools.accumulate(query_lens)]
     out = torch.empty_like(query)
-    decoding = [i for i, n in enumerate(query_lens) if n == 1]
-    if decoding:
-        index = torch.tensor(decoding, device=meta.block_tables.device)
-        rows = torch.tensor([starts[i] for i in decoding], device=query.device)
-        decode_meta = AttentionMetadata(
-            slot_mapping=meta.slot_mapping[:0], block_tables=meta.block_tables[index],
-            context_lens=meta.context_lens[index],
-            query_start=torch.arange(len(decoding) + 1, dtype=torch.int32, device=index.device),
-            max_query_len=1, max_context_len=max(context_lens[i] for i in decoding),
-            sliding_window=meta.sliding_window)
+    decoding = meta.derive("decode rows", lambda: _decode_rows(meta, starts))
+    if decoding is not None:
+        rows, decode_meta = decoding
         out[rows] = paged_decode_batched(query[rows], k_cache, v_cache, decode_meta, scale, scratch)
     for i, n in enumerate(query_lens):
         if n > 1:
@@ -184,3 +215,18 @@ def paged_attention_mixed(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                 query[starts[i]:starts[i + 1]], k_cache, v_cache, meta.block_tables[i], context_lens[i], scale,
                 meta.sliding_window, scratch)
     return out
+
+
+def _decode_rows(meta: AttentionMetadata, starts: list[int]) -> tuple[torch.Tensor, AttentionMetadata] | None:
+    """The query rows of a mixed step's single-token sequences and their own metadata (None if there are none)."""
+    query_lens, context_lens = meta.host_lengths
+    decoding = [i for i, n in enumerate(query_lens) if n == 1]
+    if not decoding:
+        return None
+    index = torch.tensor(decoding, device=meta.block_tables.device)
+    rows = torch.tensor([starts[i] for i in decoding], device=meta.slot_mapping.device)
+    return rows, AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:0], block_tables=meta.block_tables[index], context_lens=meta.context_lens[index],
+        query_start=torch.arange(len(decoding) + 1, dtype=torch.int32, device=index.device),
+        max_query_len=1, max_context_len=max(context_lens[i] for i in decoding), sliding_window=meta.sliding_window,
+        num_decodes=len(decoding))

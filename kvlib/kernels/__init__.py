@@ -2,12 +2,16 @@
 
 Triton is imported only when a kernel is first looked up, so ``import kvlib.kernels`` works where
 Triton is not installed (macOS, Windows) and the failure, a clear ImportError, comes only when a
-kernel is actually used. ``triton_available`` lets callers choose a backend without trying.
+kernel is actually used. ``triton_available`` lets callers choose a backend without trying;
+``for_device`` gives the launchers that can run on a device's tensors.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+
+import torch
 
 _EXPORTS = {
     "paged_decode_attention": "kvlib.kernels.paged_decode",
@@ -17,12 +21,21 @@ _EXPORTS = {
     "copy_blocks": "kvlib.kernels.cache_ops",
 }
 
-__all__ = [*_EXPORTS, "triton_available"]
+__all__ = [*_EXPORTS, "triton_available", "for_device"]
 
 
 def triton_available() -> bool:
     """Whether Triton can be imported here (it may still lack a GPU: see TRITON_INTERPRET)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def for_device(device: torch.device):
+    """The kernel launchers for tensors on ``device``: this module's, or, for CPU tensors where Triton compiles
+    (a machine with a GPU), interpreted copies (``kvlib.kernels.interpreted``)."""
+    if device.type == "cpu" and not importlib.import_module("kvlib.kernels.attention_tiles").INTERPRETED:
+        from kvlib.kernels.interpreted import interpreted_kernels
+        return interpreted_kernels()
+    return sys.modules[__name__]
 
 
 def __getattr__(name: str):

@@ -75,3 +75,6 @@ def attend_tile(q, m, l, acc, k_ptrs, v_ptrs, kv_mask, visible, qk_scale, DOT_PR
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l, acc
 
+
+# How this copy of the kernels was built: under Triton's interpreter (CPU tensors) or compiled (GPU tensors).
+INTERPRETED = type(attend_tile).__name__ == "InterpretedFunction"

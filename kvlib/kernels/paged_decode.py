@@ -34,7 +34,12 @@ MAX_SPLITS = 64  # most splits the rule makes
 SPLIT_ALIGN = 16  # split lengths are rounded up to a multiple of this many tokens
 
 
-@triton.jit
+# Integers that change from step to step are not specialized on (1, or a multiple of 16): each new value
+# would otherwise be a new compiled variant in the middle of serving.
+SPLIT_VARYING = ["split_size", "stride_ps", "stride_ph", "stride_pp", "stride_ls", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=SPLIT_VARYING)
 def _paged_decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
@@ -102,7 +107,7 @@ def _paged_decode_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_VARYING)
 def _merge_splits_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, context_lens_ptr, split_size, window,
     stride_os, stride_oh, stride_od,

@@ -43,7 +43,7 @@ def _find_query_block(query_start_ptr, program, num_seqs, BLOCK_Q: tl.constexpr)
     return lo, (program - tl.load(query_start_ptr + lo) // BLOCK_Q - lo) * BLOCK_Q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])  # varies from step to step: one compiled variant for all
 def _paged_prefill_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, query_start_ptr,
     qk_scale, window, num_seqs,

@@ -1,31 +1,41 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) that reads and writes a paged KV cache.
 
-Parameter names match Hugging Face checkpoints, so safetensors load with no renaming. Tokens
-of all sequences in a step are packed into one flat batch; attention is the only part that
-knows about sequences, through :class:`~kvlib.attention.AttentionMetadata`.
+Parameter names follow Hugging Face checkpoints, except that the projections reading the same
+input are stacked into one matrix: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``
+(:data:`FUSED_PROJECTIONS`; the loader stacks them at load). One matmul instead of three keeps the
+decode step's small matmuls fewer and larger. Tokens of all sequences in a step are packed into
+one flat batch; attention is the only part that knows about sequences, through
+:class:`~kvlib.attention.AttentionMetadata`.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.model.config import ModelConfig
 
 
+def fused_projections(config: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Each stacked projection of a layer and the checkpoint projections in it, in order, with their rows."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {"self_attn.qkv_proj": [("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)],
+            "mlp.gate_up_proj": [("mlp.gate_proj", config.intermediate_size), ("mlp.up_proj", config.intermediate_size)]}
+
+
 class RMSNorm(nn.Module):
+    """One fused op; in float32 it equals transformers' five (``x * rsqrt(mean(x^2) + eps) * w``) bit for bit."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -58,18 +68,16 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        hidden, bias = config.hidden_size, config.qkv_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(hidden, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, backend) -> torch.Tensor:
-        tokens = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)  # q and k rotated together: [tokens, heads + kv_heads, d]
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]  # strided views
         k_cache, v_cache = kv_layer
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale)
@@ -80,12 +88,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -123,11 +131,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
                 backend, logits_rows: torch.Tensor) -> torch.Tensor:
         """Run one step over packed tokens; return logits only for ``logits_rows`` (the sampled ones)."""
+        return self.logits(self.hidden_states(token_ids, positions, kv_cache, meta, backend)[logits_rows])
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
+                      backend) -> torch.Tensor:
+        """The last layer's output for every packed token, ``[num_tokens, hidden]``, K/V stored on the way."""
         angles = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
         x = self.model.embed_tokens(token_ids)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_cache.layer(index), meta, backend)
-        x = self.model.norm(x[logits_rows])
-        return self.lm_head(x).float()
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[rows, vocab]`` float32 logits of hidden states ``[rows, hidden]``."""
+        return self.lm_head(self.model.norm(hidden)).float()

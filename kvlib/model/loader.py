@@ -2,7 +2,8 @@
 
 Only safetensors are read: a pickle checkpoint can run arbitrary code when loaded. Every tensor
 is checked against what config.json implies before any is read, so a mismatch is reported by
-name, shape and file instead of surfacing later as wrong tokens.
+name, shape and file instead of surfacing later as wrong tokens. Projections that read the same
+input (q/k/v, gate/up) are stacked into one matrix as they load (``fused_projections``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvlib.model.config import ModelConfig, read_json_object
 from kvlib.model.errors import CheckpointError, UnsupportedModelError
-from kvlib.model.llama import LlamaForCausalLM, rope_inverse_frequencies
+from kvlib.model.llama import LlamaForCausalLM, fused_projections, rope_inverse_frequencies
 
 SHARD_INDEX = "model.safetensors.index.json"
 NAMED_AT_MOST = 3  # tensors listed in an error before "..."
@@ -84,12 +85,27 @@ def _check_against_config(found: dict, expected: dict[str, list[int]], folder: P
                               f"the weights and {config_file} disagree: use the config.json that came with them")
 
 
+def _stacked_parts(config: ModelConfig, model_names) -> dict[str, list[tuple[str, int]]]:
+    """Each stacked parameter of the model and the checkpoint tensors it is made of, with their rows."""
+    parts = {}
+    for name in model_names:
+        for fused, pieces in fused_projections(config).items():
+            if f".{fused}." in name:
+                prefix, suffix = name.split(f".{fused}.")
+                parts[name] = [(f"{prefix}.{piece}.{suffix}", rows) for piece, rows in pieces]
+    return parts
+
+
 def _expected_shapes(config: ModelConfig) -> dict[str, list[int]]:
+    """Every tensor a checkpoint for ``config`` holds, by its Hugging Face name, with its shape."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = {name: list(t.shape) for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")  # the embedding matrix serves both
+    for name, pieces in _stacked_parts(config, list(expected)).items():
+        shape = expected.pop(name)
+        expected.update({piece: [rows, *shape[1:]] for piece, rows in pieces})
     return expected
 
 
@@ -119,6 +135,8 @@ def load_model(folder: str | Path, device: torch.device, dtype: torch.dtype) -> 
             for name in f.keys():
                 if name in wanted:
                     weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    for name, pieces in _stacked_parts(config, model.state_dict()).items():
+        weights[name] = torch.cat([weights.pop(piece) for piece, _ in pieces])
     model.load_state_dict(weights, strict=False, assign=True)  # checked above; a tied lm_head is not in it
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

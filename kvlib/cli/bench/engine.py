@@ -1,18 +1,25 @@
 """``kvlib bench engine``: kvlib against transformers ``generate`` with static batches.
 
-Same model (the same safetensors folder), same workload, same KV memory budget, one run:
+Same model (the same safetensors folder: ``--model default``, ``smollm2-135m`` or a folder), same
+workload, same KV memory budget, one run:
 
 - the workload is the ShareGPT-like length mix of :mod:`kvlib.cli.bench.workloads`, scaled down by
   ``--scale`` so it runs on a CPU, arriving as a Poisson process at ``--rate`` requests/s;
 - kvlib gets a paged pool of ``budget`` token slots and serves requests as they arrive
   (continuous batching);
-- transformers gets the same memory as a static reservation: a batch of ``B`` requests holds
-  ``B x (longest prompt + longest output)`` slots, so ``B = budget // (max prompt + max output)``.
-  A batch starts when the previous one ends, with up to ``B`` requests that have arrived; it is
-  padded to its longest prompt and runs until its longest output is done.
+- transformers gets the same memory as a static reservation: its batch size times its padded
+  length (the workload's longest prompt plus its longest output) is kvlib's pool,
+  ``B = budget // (max prompt + max output)``. A batch starts when the previous one ends, with up
+  to ``B`` requests that have arrived; it is padded to its longest prompt and runs until its
+  longest output is done.
 
 Both count only the tokens each request asked for (``ignore_eos``), report output tokens per
-second over the whole run, time to first token and end-to-end latency per request.
+second over the whole run, time to first token and end-to-end latency per request. For kvlib a
+second table says where its steps spent their time: scheduling (planning and recording), block
+moves, the forward pass and, within it, attention, and sampling.
+
+On a GPU, ``--compare-graphs`` serves the workload with kvlib twice, decode steps replayed from
+CUDA graphs and launched eagerly, and adds both rows.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.llm import LLM
 from kvlib.metrics import percentile
-from kvlib.model.default import default_model_path
+from kvlib.model.catalog import resolve_model_folder
 
 
 @dataclass
@@ -57,13 +64,53 @@ def _latency_row(name: str, tokens: int, elapsed: float, ttfts: list[float], e2e
             "wall s": elapsed}
 
 
-def run_kvlib(folder: Path, requests: list[Request], budget_tokens: int, block_size: int) -> dict:
+class StepProfile:
+    """Seconds an engine's steps spend in each of their parts, gathered by wrapping the parts' methods."""
+
+    PARTS = ("scheduling", "block moves", "forward", "attention", "sampling")
+
+    def __init__(self, engine):
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.step_seconds = 0.0
+        runner, scheduler = engine.runner, engine.scheduler
+        for obj, method, part in [(scheduler, "schedule", "scheduling"), (scheduler, "postprocess", "scheduling"),
+                                  (runner, "execute_moves", "block moves"), (runner, "forward", "forward"),
+                                  (runner.backend, "forward", "attention"), (runner, "sample", "sampling"),
+                                  (engine, "step", None)]:
+            setattr(obj, method, self._timed(getattr(obj, method), part))
+
+    def _timed(self, fn, part):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if part is None:
+                    self.step_seconds += time.perf_counter() - start
+                else:
+                    self.seconds[part] += time.perf_counter() - start
+        return timed
+
+    def shares(self) -> dict:
+        """Percent of the steps' time in each part (attention is part of the forward pass)."""
+        total = self.step_seconds or 1.0
+        shares = {f"{part} %": 100 * seconds / total for part, seconds in self.seconds.items()}
+        shares["other %"] = 100 - sum(v for k, v in shares.items() if k != "attention %")
+        return shares
+
+
+def run_kvlib(folder: Path, requests: list[Request], budget_tokens: int, block_size: int,
+              cuda_graphs: bool = True) -> dict:
+    """kvlib's row; ``row["profile"]`` holds its step profile (``StepProfile.shares``)."""
     config = EngineConfig(block_size=block_size, num_gpu_blocks=budget_tokens // block_size,
                           max_num_seqs=256, preemption_mode="recompute")
     llm = LLM(folder, config, verbose=False)
     engine = llm.engine
+    if not cuda_graphs:
+        engine.runner.set_decode_graphs(None)
     llm.generate([requests[0].prompt], SamplingParams(max_tokens=2))  # warm-up
     llm.metrics.reset()
+    profile = StepProfile(engine)
     start, pending, first, done = time.perf_counter(), list(enumerate(requests)), {}, {}
     while pending or engine.has_unfinished_requests():
         now = time.perf_counter() - start
@@ -82,8 +129,11 @@ def run_kvlib(folder: Path, requests: list[Request], budget_tokens: int, block_s
     elapsed = time.perf_counter() - start
     ttfts = [first[str(i)] - r.arrival for i, r in enumerate(requests)]
     e2es = [done[str(i)] - r.arrival for i, r in enumerate(requests)]
-    row = _latency_row("kvlib (paged, continuous batching)", sum(r.max_tokens for r in requests), elapsed, ttfts, e2es)
+    graphs = " + CUDA graphs" if engine.runner.graphs is not None else ""
+    row = _latency_row(f"kvlib (paged, continuous batching{graphs})", sum(r.max_tokens for r in requests), elapsed,
+                       ttfts, e2es)
     row["preemptions"] = llm.metrics.num_preemptions
+    row["profile"] = profile.shares()
     return row
 
 
@@ -136,21 +186,36 @@ def run_transformers(folder: Path, requests: list[Request], budget_tokens: int) 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="kvlib bench engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default", help="a Hugging Face model folder, or default")
+    parser.add_argument("--model", default="default", help="default, smollm2-135m, or a Hugging Face model folder")
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--scale", type=float, default=0.25, help="multiply the length mix by this")
     parser.add_argument("--rate", type=float, default=200.0, help="arrivals per second (the default saturates both engines)")
     parser.add_argument("--budget", type=int, default=4096, help="KV memory budget in token slots")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--compare-graphs", action="store_true",
+                        help="on a GPU, also serve with decode graphs off (kvlib launches every kernel)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="serve the workload this many times with each engine, in turns, and keep each engine's "
+                             "fastest run (on a shared machine, the one least slowed by other work)")
     args = parser.parse_args(argv)
-    folder = default_model_path() if args.model == "default" else Path(args.model)
+    folder = resolve_model_folder(args.model)
     vocab = LLM(folder, EngineConfig(num_gpu_blocks=1, block_size=1), verbose=False).engine.model_config.vocab_size
     requests = make_workload(args.requests, args.scale, args.rate, vocab)
-    rows = [run_transformers(folder, requests, args.budget), run_kvlib(folder, requests, args.budget, args.block_size)]
-    rows[1]["x transformers"] = rows[1]["output tokens/s"] / rows[0]["output tokens/s"]
-    rows[0]["x transformers"] = 1.0
+    runs = [lambda: run_transformers(folder, requests, args.budget),
+            lambda: run_kvlib(folder, requests, args.budget, args.block_size)]
+    if args.compare_graphs and torch.cuda.is_available():
+        runs.append(lambda: run_kvlib(folder, requests, args.budget, args.block_size, cuda_graphs=False))
+    results = [[run() for run in runs] for _ in range(args.repeats)]
+    rows = [max((r[i] for r in results), key=lambda row: row["output tokens/s"]) for i in range(len(runs))]
+    profiles = [{"engine": row["engine"], **row.pop("profile")} for row in rows[1:]]
+    for row in rows:
+        row["x transformers"] = row["output tokens/s"] / rows[0]["output tokens/s"]
+    best = f", fastest of {args.repeats} runs each, in turns" if args.repeats > 1 else ""
     print(format_table(rows, f"{len(requests)} requests at {args.rate}/s, lengths x{args.scale}, "
-                             f"KV budget {args.budget} token slots, model {folder.name}"))
+                             f"KV budget {args.budget} token slots, model {args.model} ({folder.name}), "
+                             f"{torch.get_num_threads()} thread(s){best}"))
+    print()
+    print(format_table(profiles, "kvlib's steps: share of their time in each part (attention is within forward)"))
     return 0
 
 

@@ -22,8 +22,10 @@ Without CUDA it measures what serves a CPU instead, the torch backend: decode st
 random model with SmolLM2-135M's shape (``SMOLLM2_SHAPE``; 30 layers, 9 query heads over 3 kv
 heads, head dim 64) for 32 sequences of 280 to 320 tokens in shuffled blocks of 16, in float32.
 It reports the milliseconds per step spent in attention and in the whole forward, for
-``TorchAttentionBackend`` and, side by side, for a backend running ``paged_attention_reference``.
-Run it with ``OMP_NUM_THREADS=1`` for figures that do not depend on the machine's core count.
+``TorchAttentionBackend`` and, side by side, for a backend running ``paged_attention_reference``,
+then the engine's whole decode step (``ModelRunner.forward`` and ``sample``) against this machine's
+own matmul rate (:mod:`kvlib.cli.bench.roofline`). Run it with ``OMP_NUM_THREADS=1`` for figures
+that do not depend on the machine's core count.
 """
 from __future__ import annotations
 
@@ -251,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                  f"{CPU_CONTEXTS[0]}-{CPU_CONTEXTS[1]} tokens, blocks of 16, float32, {torch.get_num_threads()} "
                  f"thread(s)")
         print(format_table(run_torch_decode_bench(), title))
+        from kvlib.cli.bench.roofline import run_roofline
+        print()
+        print(format_table(run_roofline(SMOLLM2_SHAPE, CPU_BATCH, CPU_CONTEXTS),
+                           "the engine's decode step (forward and sampling) against this machine's matmul rate"))
         return 0
     print(format_table(rows, f"paged decode attention on {torch.cuda.get_device_name()}"))
     return 0

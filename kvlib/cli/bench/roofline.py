@@ -1,0 +1,101 @@
+"""The CPU decode step against this machine's own matmul rate: how much of the roofline a whole step reaches.
+
+The roofline is the fp32 rate of the matmul a decode step is mostly made of, measured here:
+``[32, 576] x [576, 1536]`` (SmolLM2-135M's MLP at 32 sequences), one thread, the same operands
+again and again, so it runs from cache at the best rate this CPU reaches. The decode step is the
+engine's own: ``ModelRunner.forward`` and ``ModelRunner.sample`` for 32 sequences of 280-320 tokens
+of a random model with SmolLM2-135M's shape, so it includes packing the inputs, attention, the
+language-model head and sampling. Its FLOPs are counted from the shapes: every projection, the
+language-model head for each sampled row, and attention's two products over each context.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvlib.config import SamplingParams
+from kvlib.model.config import ModelConfig
+
+MATMUL_SHAPE = (32, 576, 1536)  # (rows, inner, columns)
+
+
+def best_seconds(fn, repeats: int, inner: int = 1) -> float:
+    """Fastest of ``repeats`` timings of ``inner`` calls, per call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - start) / inner)
+    return min(times)
+
+
+def matmul_gflops(shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 20) -> float:
+    rows, inner, cols = shape
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, inner, generator=gen), torch.randn(cols, inner, generator=gen)
+    return 2 * rows * inner * cols / best_seconds(lambda: torch.nn.functional.linear(x, w), repeats, inner=20) / 1e9
+
+
+def decode_step_flops(config: ModelConfig, context_lens: list[int]) -> float:
+    """Multiply-adds times two of one decode step: one new token per sequence, every row sampled."""
+    hidden, d = config.hidden_size, config.head_dim
+    projections = hidden * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    per_token = config.num_layers * (projections + mlp) + hidden * config.vocab_size
+    attention = config.num_layers * 2 * config.num_heads * d * sum(context_lens)  # q.k and p.v, each position once
+    return 2 * (per_token * len(context_lens) + attention)
+
+
+def decode_plan(shape: dict, batch: int, contexts: tuple[int, int], block_size: int = 16, seed: int = 0):
+    """A runner over a random model of ``shape`` and a decode plan of ``batch`` sequences: ``(runner, plan)``."""
+    from kvlib.attention.torch_backend import TorchAttentionBackend
+    from kvlib.model.llama import LlamaForCausalLM
+    from kvlib.model_runner import ModelRunner
+    from kvlib.scheduler import SchedulerOutput
+    from kvlib.sequence import Sequence
+
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    config = ModelConfig(**shape)
+    model = LlamaForCausalLM(config).eval()
+    context_lens = torch.randint(contexts[0], contexts[1] + 1, (batch,), generator=gen).tolist()
+    needed = [-(-n // block_size) for n in context_lens]
+    runner = ModelRunner(model, TorchAttentionBackend(), block_size=block_size, num_gpu_blocks=sum(needed),
+                         num_cpu_blocks=0, device=torch.device("cpu"), dtype=torch.float32, max_num_seqs=batch,
+                         max_model_len=contexts[1])
+    runner.gpu_pool.data.normal_(generator=gen)
+    ids = torch.randperm(sum(needed), generator=gen).tolist()
+    plan = SchedulerOutput()
+    for i, (length, count) in enumerate(zip(context_lens, needed)):
+        prompt = torch.randint(0, config.vocab_size, (length,), generator=gen).tolist()
+        seq = Sequence(str(i), prompt, SamplingParams(), block_size, 0.0)
+        seq.block_table.blocks, ids = ids[:count], ids[count:]
+        seq.num_computed_tokens = length - 1
+        plan.scheduled.append((seq, 1))
+    return runner, plan, context_lens
+
+
+def run_roofline(shape: dict, batch: int, contexts: tuple[int, int], steps: int = 8) -> list[dict]:
+    """One row: the matmul rate, and the decode step's time and FLOP rate (best and median of ``steps``)."""
+    runner, plan, context_lens = decode_plan(shape, batch, contexts)
+
+    def step():
+        runner.sample(runner.forward(plan), plan)
+
+    step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = matmul_gflops()
+    flops = decode_step_flops(runner.model.config, context_lens)
+    best, median = min(times), statistics.median(times)
+    return [{"matmul GFLOPS (32x576x1536)": peak, "decode step GFLOP": flops / 1e9, "step ms, best": 1e3 * best,
+             "step ms, median": 1e3 * median, "step GFLOPS, best": flops / best / 1e9,
+             "% of matmul rate, best": 100 * flops / best / 1e9 / peak,
+             "% of matmul rate, median": 100 * flops / median / 1e9 / peak}]

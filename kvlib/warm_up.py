@@ -1,0 +1,51 @@
+"""Compile every kernel variant serving can launch before the first request, not in the middle of a step.
+
+Triton compiles a kernel the first time it is launched with a new set of compile-time values
+(constexprs, which integer arguments equal 1 or are multiples of 16, which pointers are 16-byte
+aligned). A variant first met mid-serving costs that step a second or more. The engine keeps the
+set small and fixed (fixed-width block tables, aligned buffers, ``do_not_specialize`` on the
+integers that vary from step to step), and this module launches each member once at start-up:
+
+- a mixed step (a decode beside a prefill): the store kernel, the plain decode kernel and the
+  prefill kernel;
+- one decode step per split count a power of two apart, up to ``MAX_SPLITS``: the split decode
+  kernel and each width of the merge kernel (``NUM_SPLITS_PAD``), with the bound on the context
+  length raised so that ``choose_num_splits`` picks that count (the contexts themselves are one
+  token; splits past them return at once);
+- a copy-on-write copy and, when there is a host pool, a block out and back through the staging buffer.
+
+All of it writes only into blocks the engine has not handed out yet. ``tests/test_warm_up.py``
+serves a varied workload after it and checks that no launch needed a variant it had not seen.
+"""
+from __future__ import annotations
+
+from kvlib.decode_graphs import graph_safe
+from kvlib.kv_cache import copy_blocks_between
+from kvlib.step_inputs import Chunk
+
+
+def split_bounds() -> list[int]:
+    """Context bounds that make the split rule pick 2, 4 ... ``MAX_SPLITS`` splits on a large enough GPU."""
+    from kvlib.kernels.paged_decode import MAX_SPLITS, MIN_SPLIT_TOKENS
+    bounds, splits = [], 2
+    while splits <= MAX_SPLITS:
+        bounds.append(splits * MIN_SPLIT_TOKENS)
+        splits *= 2
+    return bounds
+
+
+def warm_up(runner) -> None:
+    """Launch every kernel variant once on the runner's own pools and buffers."""
+    block_size, window = runner.spec.block_size, runner.model.config.sliding_window
+    mixed = [Chunk([0], 0, [0], sampled=True), Chunk([0, 0], 0, [0], sampled=True)]
+    bounds = split_bounds() if graph_safe(runner.backend) else []  # only the Triton decode splits
+    steps = [(mixed, None)] + [([Chunk([0], 0, [0], sampled=True)], bound) for bound in bounds]
+    for chunks, bound in steps:
+        inputs = runner.buffers.pack(chunks, block_size, window, max_context_len=bound)
+        runner.model(inputs.token_ids, inputs.positions, runner.gpu_pool, inputs.meta, runner.backend,
+                     inputs.logits_rows)
+    if runner.gpu_pool.num_blocks > 1:
+        runner.backend.copy_blocks(runner.gpu_pool.data, [0], [1])
+    if runner.cpu_pool.num_blocks:
+        copy_blocks_between(runner.gpu_pool, runner.cpu_pool, [0], [0])
+        copy_blocks_between(runner.cpu_pool, runner.gpu_pool, [0], [0])
