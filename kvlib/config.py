@@ -57,7 +57,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     watermark: float = 0.01  # fraction of the device pool kept free when admitting new requests
     device: str = "auto"
-    dtype: str = "auto"  # auto: float16 on a GPU, float32 on a CPU
+    dtype: str = "auto"  # auto: bfloat16 on a GPU of compute capability 8.0 or newer, float16 below, float32 on a CPU
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9  # share of free device memory used when num_gpu_blocks is None
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
