@@ -7,9 +7,12 @@ get zero.
 """
 from __future__ import annotations
 
+import ast
 import csv
 import inspect
 import json
+import threading
+import time
 from pathlib import Path
 
 import nbformat
@@ -121,6 +124,44 @@ def test_a_missing_name_or_a_broken_cell_is_reported():
 # ---- the sandbox --------------------------------------------------------------------------------
 def _statements(source: str):
     return extract([source], Rules(needs=("MyBlockAllocator",))).statements
+
+
+def test_cells_are_parsed_one_at_a_time_as_threads_grading_a_class_need(monkeypatch):
+    """CPython 3.11's ``ast.parse`` fails now and then when two threads parse at once (a class graded
+    with ``jobs=2`` lost a submission to "AST constructor recursion depth mismatch")."""
+    parse, running, most = ast.parse, [0], [0]
+
+    def slow_parse(source, *args, **kwargs):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        running[0] -= 1
+        return parse(source, *args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", slow_parse)
+    cells = ["def Pool():\n    return 1\n", "x = 2\n"] * 3
+    threads = [threading.Thread(target=extract, args=(cells, Rules(needs=("Pool",)))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1
+
+
+def test_an_unreadable_submission_keeps_the_gradebook_columns(tmp_path):
+    (tmp_path / "lab02_truncated.ipynb").write_text('{"cells": [')
+    (tmp_path / "homework.ipynb").write_text("{}")
+    reports = {r.notebook.name: r for r in grade_folder(tmp_path)}
+    truncated = reports["lab02_truncated.ipynb"]
+    assert (truncated.points, truncated.max_points) == (0, 20)
+    assert {t.task for t in truncated.tasks} == {"allocator", "block_table", "engine"}
+    assert truncated.notes[0].startswith("could not be graded:"), truncated.table()
+    assert "pass --lab" in reports["homework.ipynb"].notes[0]
+    rows = {row["submission"]: row for row in csv.DictReader(write_gradebook(list(reports.values()),
+                                                                             tmp_path / "gradebook.csv").open())}
+    assert set(rows) == {"lab02_truncated.ipynb", "homework.ipynb"}
+    assert rows["lab02_truncated.ipynb"]["allocator"] == "0" and rows["lab02_truncated.ipynb"]["max"] == "20"
+    assert rows["homework.ipynb"]["lab"] == "?" and rows["homework.ipynb"]["total"] == "0"
 
 
 def test_a_hang_costs_one_check_and_the_next_check_still_runs():

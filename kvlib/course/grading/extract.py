@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import linecache
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,6 +41,10 @@ ALLOWED_DUNDERS = frozenset({
     "__contains__", "__repr__", "__str__", "__eq__", "__hash__", "__lt__", "__le__", "__gt__", "__ge__",
     "__enter__", "__exit__", "__bool__",
 })
+# A folder is graded by several threads, and CPython 3.11 keeps ``ast.parse``'s recursion count in
+# per-interpreter state: two parses at once can fail with "SystemError: AST constructor recursion
+# depth mismatch" (seen grading a class; python/cpython#106905). One parse at a time.
+_PARSING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,8 @@ def extract(cells: list[str], rules: Rules) -> Extracted:
     for number, source in enumerate(cells, 1):
         source = _without_magics(source)
         try:
-            tree = ast.parse(source)
+            with _PARSING:
+                tree = ast.parse(source)
         except SyntaxError as error:
             return Extracted([], set(), [f"code cell {number} does not parse: {error.msg} (line {error.lineno})"])
         lines = source.splitlines()

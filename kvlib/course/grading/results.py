@@ -9,6 +9,7 @@ NOT_IMPLEMENTED = "not implemented"
 NOT_ALLOWED = "not allowed"  # the code reaches kvlib's own implementation or around the grader
 TIMED_OUT = "timed out"
 CRASHED = "crashed"  # the process running the check died (out of memory, a hard crash)
+NOT_GRADED = "not graded"  # the submission could not be read, so no check ran
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Optional
 
 from kvlib.course.grading.extract import code_cells, extract
 from kvlib.course.grading.report import GradeReport
-from kvlib.course.grading.results import NOT_ALLOWED, TaskResult
+from kvlib.course.grading.results import NOT_ALLOWED, NOT_GRADED, TaskResult
 from kvlib.course.grading.sandbox import Limits, Sandbox
 
 LAB_NAME = re.compile(r"lab\d\d")
@@ -74,12 +74,18 @@ def grade_folder(folder: str | Path, lab: Optional[str] = None, jobs: int = 2,
 
 
 def _grade_one(path: Path, lab: Optional[str], limits: Limits) -> GradeReport:
+    """One submission's report, whatever is wrong with it: an unreadable one scores zero on every task
+    of its lab, so its gradebook row has the same columns and maximum as the others."""
+    try:
+        lab = lab or lab_of(path)
+    except ValueError as exc:
+        return GradeReport(path, "?", [], [str(exc)])
     try:
         return grade_notebook(path, lab, limits)
     except Exception as exc:  # noqa: BLE001 - an unreadable submission is reported, the others still grade
-        return GradeReport(path, lab or "?", [TaskResult("submission", [])],
-                           [f"could not be graded: {type(exc).__name__}: {exc}"] if not isinstance(exc, ValueError)
-                           else [str(exc)])
+        why = f"{type(exc).__name__}: {exc}"
+        tasks = importlib.import_module(f"kvlib.course.grading.{lab}").TASKS
+        return GradeReport(path, lab, [task.zero(NOT_GRADED, why) for task in tasks], [f"could not be graded: {why}"])
 
 
 def grade_here() -> None:
