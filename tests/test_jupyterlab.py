@@ -1,9 +1,11 @@
 """The course opened the way learners open it: JupyterLab in a browser, Run All, look at the result.
 
 A JupyterLab server runs on a copy of the repository; headless Chromium (Debian's ``chromium``,
-driven by playwright) opens lesson 00 and lesson 06 (which shows the block-pool view), runs every
-cell from the Run menu and saves. The saved notebooks must hold no error output (checked at every save, since Run All stops at one), the pool view
-must have rendered in the page, and a screenshot of each is kept in ``kvlib-output/screenshots``.
+driven by playwright) opens lesson 02 (short, and it shows the block-pool view), runs every cell
+from the Run menu and saves. The saved notebook must hold no error output (checked at every save,
+since Run All stops at one), the pool view must have rendered in the page, and screenshots are
+kept in ``kvlib-output/screenshots``. What the lessons compute is nbval's part (every lesson runs
+there); this test is about the browser: one lesson with the animated view covers it.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOTS = ROOT / "kvlib-output" / "screenshots"
-LESSONS = ["00_setup_and_tour.ipynb", "06_preemption_swap_recompute.ipynb"]
+LESSON = "02_block_allocator_and_block_tables.ipynb"
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium here: `apt-get install chromium` (.ci/run does)")
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (it is in the dev extra)")
@@ -40,7 +42,9 @@ def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("course")
     for folder in ("kvlib", "notebooks"):
         shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    settings = tmp_path_factory.mktemp("settings")  # render every cell, not only those in view, so all can be read
+    # Fresh settings that render every cell, not only those in view, so all can be read; a fresh
+    # workspace, so no tab of an earlier run reopens.
+    settings = tmp_path_factory.mktemp("settings")
     tracker = settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
     tracker.parent.mkdir(parents=True)
     tracker.write_text(json.dumps({"windowingMode": "none"}))
@@ -48,7 +52,8 @@ def lab(tmp_path_factory):
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings)})
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings),
+                                                       "JUPYTERLAB_WORKSPACES_DIR": str(settings / "workspaces")})
     base = f"http://127.0.0.1:{port}"
     for _ in range(120):
         try:
@@ -64,44 +69,63 @@ def lab(tmp_path_factory):
     server.wait(timeout=30)
 
 
+def fail_on_dialog(page, when: str) -> None:
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count():
+        page.screenshot(path=str(SCREENSHOTS / "dialog.png"))
+        pytest.fail(f"{when}: JupyterLab showed a dialog: {dialog.first.inner_text()[:500]}")
+
+
+def run_all(page) -> None:
+    """Run All from the menu, again if no cell started: a kernel that reads "Idle" before its
+    connection is up drops the request (seen now and then: every prompt still "[ ]" minutes later)."""
+    for _ in range(5):
+        fail_on_dialog(page, "before Run All")
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.locator("li[data-command='runmenu:run-all']").click()
+        for _ in range(20):
+            time.sleep(1)
+            if any(text.strip() != "[ ]:" for text in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()):
+                return
+    pytest.fail("Run All started no cell in five tries")
+
+
 def run_all_and_save(page, base: str, token: str, root: Path, name: str) -> None:
     """Open, Run All from the menu, then save every few seconds until every code cell has run without an error."""
     page.goto(f"{base}/lab/tree/notebooks/{name}?token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
     page.get_by_text("Kernel status: Idle").first.wait_for(state="attached", timeout=120_000)  # the kernel is up
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.locator("li[data-command='runmenu:run-all']").click()
+    run_all(page)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         time.sleep(5)
-        dialog = page.locator(".jp-Dialog")
-        if dialog.count():
-            page.screenshot(path=str(SCREENSHOTS / f"dialog_{name.split('_')[0]}.png"))
-            pytest.fail(f"{name}: JupyterLab showed a dialog: {dialog.first.inner_text()[:500]}")
+        fail_on_dialog(page, name)
         page.keyboard.press("Control+s")
         time.sleep(1)
-        saved = json.loads((root / "notebooks" / name).read_text())
+        try:
+            saved = json.loads((root / "notebooks" / name).read_text())
+        except json.JSONDecodeError:  # read while JupyterLab was writing it
+            continue
         code = [c for c in saved["cells"] if c["cell_type"] == "code"]
         errors = [o for c in code for o in c.get("outputs", []) if o["output_type"] == "error"]
         assert not errors, f"{name}: {[(e['ename'], e['evalue']) for e in errors]}"  # Run All stops at an error
         if all(c.get("execution_count") for c in code):
             return
-    pytest.fail(f"{name} did not finish running within 10 minutes")
+    ran = sum(bool(c.get("execution_count")) for c in code)
+    pytest.fail(f"{name} did not finish running within 10 minutes: {ran} of {len(code)} code cells ran")
 
 
-def test_lessons_run_in_jupyterlab_without_errors_and_show_the_pool_view(lab):
+def test_a_lesson_runs_in_jupyterlab_without_errors_and_shows_the_pool_view(lab):
     base, token, root = lab
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        for name in LESSONS:
-            run_all_and_save(page, base, token, root, name)
-            if name.startswith("06"):
-                view = page.locator(".animation img").first
-                view.scroll_into_view_if_needed()
-                assert view.is_visible(), "the block-pool view did not render"
-                view.screenshot(path=str(SCREENSHOTS / "pool_view_in_jupyterlab.png"))
-            page.screenshot(path=str(SCREENSHOTS / f"jupyterlab_{name.split('_')[0]}.png"))
+        run_all_and_save(page, base, token, root, LESSON)
+        view = page.locator(".animation img").first
+        view.scroll_into_view_if_needed()
+        assert view.is_visible(), "the block-pool view did not render"
+        view.screenshot(path=str(SCREENSHOTS / "pool_view_in_jupyterlab.png"))
+        page.screenshot(path=str(SCREENSHOTS / f"jupyterlab_{LESSON.split('_')[0]}.png"))
         browser.close()
     assert (SCREENSHOTS / "pool_view_in_jupyterlab.png").stat().st_size > 5_000
