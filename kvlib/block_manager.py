@@ -129,25 +129,29 @@ class BlockManager:
 
     # ---- growing -------------------------------------------------------------------------------
     def blocks_to_grow(self, seq: Sequence, end: int) -> int:
-        """New device blocks ``seq`` needs to compute up to position ``end``: missing ones and private copies."""
-        return seq.block_table.num_missing_blocks(end) + len(self._shared_in_range(seq, end))
+        """New device blocks ``seq`` needs to compute up to position ``end``: missing ones and private copies.
+
+        Asked for every running sequence in every step, so it counts in one pass, building nothing."""
+        blocks, ref_count = seq.block_table.blocks, self.gpu.ref_count
+        needed = blocks_for(end, self.block_size)
+        shared = sum(ref_count(blocks[i]) > 1 for i in range(seq.num_computed_tokens // self.block_size,
+                                                              min(len(blocks), needed)))
+        return max(0, needed - len(blocks)) + shared
 
     def can_grow(self, seq: Sequence, end: int) -> bool:
-        return self.num_free_blocks >= self.blocks_to_grow(seq, end)
+        needed = self.blocks_to_grow(seq, end)
+        return needed == 0 or self.num_free_blocks >= needed  # a decode inside its last block needs none
 
     def grow(self, seq: Sequence, end: int) -> None:
         """Make room for positions ``num_computed_tokens .. end-1``: a private copy of any shared block they write."""
-        for index in self._shared_in_range(seq, end):
-            copy = self.sharing.make_writable(self.gpu, seq.block_table.blocks, index, self.take)
-            if copy is not None:
-                self.moves.copies.append(copy)
+        blocks, ref_count = seq.block_table.blocks, self.gpu.ref_count
+        for index in range(seq.num_computed_tokens // self.block_size, min(len(blocks), blocks_for(end, self.block_size))):
+            if ref_count(blocks[index]) > 1:
+                copy = self.sharing.make_writable(self.gpu, blocks, index, self.take)
+                if copy is not None:
+                    self.moves.copies.append(copy)
         for _ in range(seq.block_table.num_missing_blocks(end)):
             seq.block_table.append(self.take())
-
-    def _shared_in_range(self, seq: Sequence, end: int) -> list[int]:
-        first = seq.num_computed_tokens // self.block_size
-        last = min(len(seq.block_table), blocks_for(end, self.block_size))
-        return [i for i in range(first, last) if self.gpu.ref_count(seq.block_table.blocks[i]) > 1]
 
     # ---- admission -----------------------------------------------------------------------------
     def prefix_hits(self, seq: Sequence) -> list[PrefixHit]:
