@@ -5,7 +5,8 @@ methods the learner writes (``Rules.own_methods``). The extractor refuses ``supe
 :func:`own_work` also refuses the other ways to reach the base's own version: calling it through
 the class (``Scheduler.schedule_running(self, ...)``) while the learner's code runs in a check,
 and keeping it from before the check began (a class attribute, a default argument, a closure or a
-module-level name holding it).
+module-level name holding it). Lab 08 uses it too, to refuse kvlib's own swap-or-recompute choice
+while the learner's is graded.
 """
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from typing import Iterator, Optional
 
 from kvlib.course.grading.checks import CheckFailed
 
+REFUSAL = ("your code calls kvlib's own {cls}.{name}: a graded method must do its work itself, with the actions "
+           "the lab lists")
+
 
 @contextmanager
-def own_work(base: type, names: tuple[str, ...], learner: Optional[type] = None) -> Iterator[None]:
-    """While the block runs, calling ``base.<name>`` for any of ``names`` fails the check; so does a
-    ``learner`` class that keeps one of them."""
+def own_work(base: type, names: tuple[str, ...], learner: Optional[type] = None,
+             refusal: str = REFUSAL) -> Iterator[None]:
+    """While the block runs, calling ``base.<name>`` for any of ``names`` fails the check with
+    ``refusal`` (formatted with ``cls`` and ``name``); so does a ``learner`` class that keeps one of them."""
     saved = {name: base.__dict__[name] for name in names}
     if learner is not None:
         kept = _kept_originals(learner, {method: name for name, method in saved.items()})
@@ -28,8 +33,7 @@ def own_work(base: type, names: tuple[str, ...], learner: Optional[type] = None)
 
     def refused(name: str):
         def call(*args, **kwargs):
-            raise CheckFailed(f"your code calls kvlib's own {base.__name__}.{name}: a graded method must do its "
-                              f"work itself, with the actions the lab lists")
+            raise CheckFailed(refusal.format(cls=base.__name__, name=name))
         return call
 
     for name in names:

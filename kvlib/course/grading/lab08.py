@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 
@@ -27,8 +26,9 @@ import numpy as np
 
 from kvlib.config import SamplingParams
 from kvlib.cost_model import PreemptionCostModel, attention_pairs
-from kvlib.course.grading.checks import CheckFailed, Task, expect
+from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.extract import Rules
+from kvlib.course.grading.guards import own_work
 from kvlib.course.grading.results import TaskResult
 from kvlib.course.grading.serving import serve_checked
 from kvlib.preemption import PreemptionContext, VictimCandidate
@@ -415,23 +415,11 @@ def _expect_mode(cls, priced: Priced, context: PreemptionContext, expected: str,
     expect(got == expected, f"choose_mode for {_describe(priced, context)}: got {got!r}, expected {expected!r} ({why})")
 
 
-@contextmanager
 def kvlibs_choice_refused():
     """While the learner's choice runs, kvlib's own choice raises: choose_mode must compare the prices itself."""
-    saved = {name: PreemptionCostModel.__dict__[name] for name in ("choose", "recompute_range")}
-
-    def refuse(name: str):
-        def refused(*args, **kwargs):
-            raise CheckFailed(f"your policy called PreemptionCostModel.{name}, kvlib's own choice; compare "
-                              f"swap_seconds with recompute_seconds yourself")
-        return refused
-    for name in saved:
-        setattr(PreemptionCostModel, name, refuse(name))
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(PreemptionCostModel, name, method)
+    return own_work(PreemptionCostModel, ("choose", "recompute_range"),
+                    refusal="your policy called {cls}.{name}, kvlib's own choice; compare swap_seconds with "
+                            "recompute_seconds yourself")
 
 
 @choose_mode.check(2, "return \"swap\" when cost_model.swap_seconds(num_host_blocks, block_bytes) is below "
