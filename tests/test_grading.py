@@ -19,11 +19,11 @@ import nbformat
 import pytest
 
 from kvlib.course.grading import Task, expect
-from kvlib.course.grading.extract import Rules, extract
+from kvlib.course.grading.extract import Rules, extract, load
 from kvlib.course.grading.report import write_gradebook
 from kvlib.course.grading.results import CRASHED, FAIL, NOT_ALLOWED, NOT_IMPLEMENTED, PASS, TIMED_OUT
 from kvlib.course.grading.runner import grade_folder, grade_notebook, lab_of
-from kvlib.course.grading.sandbox import Limits, Sandbox
+from kvlib.course.grading.sandbox import InProcess, Limits, Sandbox
 from kvlib.course.labs import remove_hidden_tests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,13 +84,24 @@ def test_the_last_definition_of_a_name_wins_as_when_cells_run():
 def test_kept_definitions_show_their_source_as_triton_jit_needs_to_compile_them():
     cells = ["x = 1", "import math\n\nclass Pool:\n    def free(self, b):\n        return math.floor(b)\n\ndef kernel(x):\n    return x + 1"]
     namespace = {}
-    for statement in extract(cells, Rules(needs=("Pool", "kernel"), own_methods=("free",))).statements:
-        exec(statement.compile(), namespace)
+    load(extract(cells, Rules(needs=("Pool", "kernel"), own_methods=("free",))).statements, namespace)
     assert inspect.getsource(namespace["kernel"]) == "def kernel(x):\n    return x + 1\n"
     assert inspect.getsource(namespace["Pool"].free) == "    def free(self, b):\n        return math.floor(b)\n"
     assert inspect.getsourcefile(namespace["kernel"]) == "<cell 2>"
     jit = pytest.importorskip("triton.runtime.jit")
     assert "return x + 1" in jit.JITFunction(namespace["kernel"]).src  # what a GPU's @triton.jit does
+
+
+def test_a_notebook_graded_after_another_in_one_process_shows_its_own_source():
+    """The in-process grader loads notebook after notebook; a cell of an earlier one, longer than this
+    one's, once lent its trailing lines to this one's kernel (seen as ``def kernel`` followed by another
+    notebook's indented method)."""
+    earlier = ["x = 1", "import math\n\nclass Pool:\n    def free(self, b):\n        return b\n\n\n"
+                        "    def host_blocks_needed(self):\n        raise NotImplementedError\n"]
+    cells = ["x = 1", "import math\n\nclass Pool:\n    def free(self, b):\n        return math.floor(b)\n\ndef kernel(x):\n    return x + 1"]
+    InProcess("lab02", extract(earlier, Rules(needs=("Pool",))).statements)
+    graded = InProcess("lab02", extract(cells, Rules(needs=("Pool", "kernel"))).statements)
+    assert inspect.getsource(graded.namespace["kernel"]) == "def kernel(x):\n    return x + 1\n"
 
 
 @pytest.mark.parametrize("source, why", [

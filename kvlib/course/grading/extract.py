@@ -55,15 +55,28 @@ class Statement:
     first_line: int
     source: str
 
+    @property
+    def filename(self) -> str:
+        return f"<cell {self.cell}>"
+
     def compile(self):
         """Code whose functions can show their source: ``@triton.jit`` reads it to compile a kernel."""
-        filename = f"<cell {self.cell}>"
+        filename = self.filename
         lines = list(linecache.cache.get(filename, (0, None, [], filename))[2])  # the cell's other statements
         lines += ["\n"] * (self.first_line - 1 - len(lines))
         own = [line if line.endswith("\n") else line + "\n" for line in self.source.splitlines(True)]
         lines[self.first_line - 1:self.first_line - 1 + len(own)] = own
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         return compile("\n" * (self.first_line - 1) + self.source, filename, "exec")
+
+
+def load(statements: list[Statement], namespace: dict) -> None:
+    """Run a notebook's kept statements in ``namespace``, in order. The source an earlier notebook
+    registered for the same cells in this process is dropped first, so no function shows its lines."""
+    for filename in {statement.filename for statement in statements}:
+        linecache.cache.pop(filename, None)
+    for statement in statements:
+        exec(statement.compile(), namespace)  # noqa: S102 - the learner's definitions, checked by extract
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvlib.course.grading.extract import Statement
+from kvlib.course.grading.extract import Statement, load
 from kvlib.course.grading.results import CRASHED, TIMED_OUT, CheckResult
 
 STARTUP_LIMIT_S = 120.0  # importing torch and kvlib, then defining the learner's names
@@ -106,8 +106,7 @@ class InProcess:
         self.namespace: dict = {"__name__": "learner"}
         self.startup_error: Optional[str] = None
         try:
-            for statement in statements:
-                exec(statement.compile(), self.namespace)  # noqa: S102 - trusted test code
+            load(statements, self.namespace)  # trusted test code
         except Exception as exc:  # noqa: BLE001 - the same report the sandbox gives
             self.startup_error = f"your definitions raise {type(exc).__name__}: {exc} when they run"
 
@@ -135,8 +134,7 @@ def _serve() -> None:
     lab = importlib.import_module(f"kvlib.course.grading.{setup['lab']}")
     namespace: dict = {"__name__": "learner"}
     try:
-        for statement in setup["statements"]:
-            exec(Statement(**statement).compile(), namespace)  # noqa: S102 - the learner's definitions, checked
+        load([Statement(**statement) for statement in setup["statements"]], namespace)
     except BaseException as exc:  # noqa: BLE001 - reported as the reason every check of this submission fails
         replies.write(json.dumps({"error": f"your definitions raise {type(exc).__name__}: {exc} when they run"}) + "\n")
         replies.flush()
