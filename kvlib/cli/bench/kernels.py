@@ -188,16 +188,10 @@ class ReferenceBackend(TorchAttentionBackend):
 
 def torch_decode_case(shape: dict, batch: int, contexts: tuple[int, int], block_size: int = 16, seed: int = 0):
     """A random model, a pool of random K/V and one decode step's inputs: ``(model, pool, inputs)``."""
+    from kvlib.cli.bench.roofline import random_decode_model
     from kvlib.kv_cache import KVCachePool, KVCacheSpec
-    from kvlib.model.config import ModelConfig
-    from kvlib.model.llama import LlamaForCausalLM
 
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    config = ModelConfig(**shape)
-    model = LlamaForCausalLM(config).eval()
-    context_lens = torch.randint(contexts[0], contexts[1] + 1, (batch,), generator=gen).tolist()
-    needed = [-(-n // block_size) for n in context_lens]
+    config, model, context_lens, needed, gen = random_decode_model(shape, batch, contexts, block_size, seed)
     pool = KVCachePool(KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size,
                                    torch.float32), sum(needed), "cpu")
     pool.data.normal_(generator=gen)

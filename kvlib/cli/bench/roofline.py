@@ -50,20 +50,27 @@ def decode_step_flops(config: ModelConfig, context_lens: list[int]) -> float:
     return 2 * (per_token * len(context_lens) + attention)
 
 
-def decode_plan(shape: dict, batch: int, contexts: tuple[int, int], block_size: int = 16, seed: int = 0):
-    """A runner over a random model of ``shape`` and a decode plan of ``batch`` sequences: ``(runner, plan)``."""
-    from kvlib.attention.torch_backend import TorchAttentionBackend
+def random_decode_model(shape: dict, batch: int, contexts: tuple[int, int], block_size: int, seed: int):
+    """A random model of ``shape`` and ``batch`` context lengths drawn from ``contexts``:
+    ``(config, model, context_lens, blocks needed per sequence, the generator for what follows)``."""
     from kvlib.model.llama import LlamaForCausalLM
-    from kvlib.model_runner import ModelRunner
-    from kvlib.scheduler import SchedulerOutput
-    from kvlib.sequence import Sequence
 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     config = ModelConfig(**shape)
     model = LlamaForCausalLM(config).eval()
     context_lens = torch.randint(contexts[0], contexts[1] + 1, (batch,), generator=gen).tolist()
-    needed = [-(-n // block_size) for n in context_lens]
+    return config, model, context_lens, [-(-n // block_size) for n in context_lens], gen
+
+
+def decode_plan(shape: dict, batch: int, contexts: tuple[int, int], block_size: int = 16, seed: int = 0):
+    """A runner over a random model of ``shape`` and a decode plan of ``batch`` sequences: ``(runner, plan)``."""
+    from kvlib.attention.torch_backend import TorchAttentionBackend
+    from kvlib.model_runner import ModelRunner
+    from kvlib.scheduler import SchedulerOutput
+    from kvlib.sequence import Sequence
+
+    config, model, context_lens, needed, gen = random_decode_model(shape, batch, contexts, block_size, seed)
     runner = ModelRunner(model, TorchAttentionBackend(), block_size=block_size, num_gpu_blocks=sum(needed),
                          num_cpu_blocks=0, device=torch.device("cpu"), dtype=torch.float32, max_num_seqs=batch,
                          max_model_len=contexts[1])
