@@ -225,19 +225,26 @@ class Scheduler:
     def _preempt(self, victim: VictimCandidate, count: int, out: SchedulerOutput) -> None:
         """Take the last ``count`` device blocks from ``victim`` (partial preemption takes only its unique
         tail, no more than the shortfall); shared ones stay with the sequences that share them."""
-        seq = victim.seq
         mode = self._mode(victim, count)
-        seq.num_preemptions += 1
+        victim.seq.num_preemptions += 1
         out.num_preemptions += 1
         self.metrics.num_preemptions += 1
         if mode == "swap":
-            self.metrics.num_preemptions_swap += 1
-            self.bm.swap_out(seq, count)
-            self.move(seq, SequenceStatus.SWAPPED)
+            self._preempt_by_swap(victim.seq, count)
         else:
-            self.metrics.num_preemptions_recompute += 1
-            self.metrics.num_recomputed_tokens += self.bm.drop(seq, count)
-            self.move(seq, SequenceStatus.WAITING)
+            self._preempt_by_recompute(victim.seq, count)
+
+    def _preempt_by_swap(self, seq: Sequence, count: int) -> None:
+        """Its blocks go to the host pool; it resumes from the swapped queue with nothing recomputed."""
+        self.metrics.num_preemptions_swap += 1
+        self.bm.swap_out(seq, count)
+        self.move(seq, SequenceStatus.SWAPPED)
+
+    def _preempt_by_recompute(self, seq: Sequence, count: int) -> None:
+        """Its blocks are let go; it waits again and recomputes the positions they held."""
+        self.metrics.num_preemptions_recompute += 1
+        self.metrics.num_recomputed_tokens += self.bm.drop(seq, count)
+        self.move(seq, SequenceStatus.WAITING)
 
     def _mode(self, victim: VictimCandidate, count: int) -> str:
         """The configured mode, or in auto mode the policy's; a swap without host room recomputes."""
