@@ -1,5 +1,6 @@
 """The engine reads in one direction and imports nothing from the course tooling or the commands."""
 import ast
+import re
 from pathlib import Path
 
 import kvlib
@@ -38,3 +39,14 @@ def test_the_scheduler_never_touches_an_allocator():
 def test_every_engine_file_is_small_enough_to_hold_in_your_head():
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in engine_modules()}
     assert {name: n for name, n in sizes.items() if n > 400} == {}
+
+
+def test_the_readme_engine_map_gives_each_files_real_line_count():
+    """The README's engine map shows a reader how big each file is; a count that drifted would mislead."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    rows = re.findall(r"^\| ((?:`kvlib/[\w/]+\.py`(?:, )?)+) \| (\d+) \|", readme, flags=re.MULTILINE)
+    assert len(rows) > 20, "the engine map table was not found in README.md"
+    stated = {files: int(count) for files, count in rows}
+    real = {files: sum(len((PACKAGE.parent / f).read_text().splitlines()) for f in re.findall(r"`([^`]+)`", files))
+            for files in stated}
+    assert stated == real
