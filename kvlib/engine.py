@@ -16,7 +16,7 @@ from kvlib.block_allocator import BlockAllocator
 from kvlib.block_manager import BlockManager, BlockMoves
 from kvlib.config import EngineConfig, SamplingParams, is_integer
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
-from kvlib.interfaces import check_preemption_policy
+from kvlib import interfaces
 from kvlib.metrics import EngineMetrics, StepRecord
 from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.loader import load_model
@@ -50,6 +50,7 @@ class LLMEngine:
             attention_backend = make_attention_backend(choice)
             if verbose:
                 print(choice.describe(self.device))
+        interfaces.check_implements(attention_backend, interfaces.AttentionBackend, "attention_backend")
         self.runner = ModelRunner(model, attention_backend, block_size=config.block_size,
                                   num_gpu_blocks=config.num_gpu_blocks, num_cpu_blocks=config.num_cpu_blocks,
                                   device=self.device, dtype=self.dtype,
@@ -64,7 +65,7 @@ class LLMEngine:
             host_prefix_cache=config.host_prefix_cache, sharing=block_sharing,
             host_tier_factory=host_prefix_tier or HostPrefixTier)
         self.policy = preemption_policy or LatestArrivalPolicy()
-        check_preemption_policy(self.policy, config.preemption_mode)
+        interfaces.check_preemption_policy(self.policy, config.preemption_mode)
         self.cost_model = self._cost_model(verbose) if config.preemption_mode == "auto" else None
         self.metrics = EngineMetrics(history=config.metrics_history)
         self.oversubscription = oversubscription_detector or OversubscriptionDetector()
@@ -72,6 +73,7 @@ class LLMEngine:
                                    block_bytes=self.runner.spec.block_bytes,
                                    eos_token_ids=frozenset(self.model_config.eos_token_ids),
                                    max_model_len=self.max_model_len, cost_model=self.cost_model)
+        self._check_plugged_pieces()
         self._requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, sample 0 first
         self._ready: list[RequestOutput] = []  # outputs the next step() hands out first (rejections)
         self._num_requests = 0
@@ -79,6 +81,19 @@ class LLMEngine:
         if config.preemption_mode == "swap" and config.num_cpu_blocks == 0:
             logger.warning("preemption_mode='swap' with num_cpu_blocks=0: there is no host pool to swap into, so "
                            "every preemption will recompute; give num_cpu_blocks a size to swap")
+
+    def _check_plugged_pieces(self) -> None:
+        """Every piece has the whole of its protocol (``kvlib/interfaces.py``): said now, not mid-step."""
+        bm = self.block_manager
+        pieces = [(bm.gpu, interfaces.BlockAllocator, "allocator"), (bm.cpu, interfaces.BlockAllocator, "allocator"),
+                  (bm.sharing, interfaces.BlockSharing, "block_sharing"),
+                  (self.oversubscription, interfaces.OversubscriptionDetector, "oversubscription_detector"),
+                  (self.scheduler, interfaces.SchedulingStep, "scheduler"),
+                  (bm, interfaces.PreemptionMechanism, "block_manager")]
+        if bm.host_tier is not None:
+            pieces.append((bm.host_tier, interfaces.HostPrefixTier, "host_prefix_tier"))
+        for piece, protocol, argument in pieces:
+            interfaces.check_implements(piece, protocol, argument)
 
     def _max_model_len(self) -> int:
         positions = self.model_config.max_position_embeddings

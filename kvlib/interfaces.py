@@ -207,6 +207,21 @@ class HostPrefixTier(Protocol):
     def num_cached(self) -> int: ...
 
 
+def protocol_members(protocol: type) -> list[str]:
+    """The methods and attributes a protocol declares (its own, not ``Protocol``'s machinery)."""
+    names = set(protocol.__dict__.get("__annotations__", {}))
+    names.update(name for name, value in vars(protocol).items() if callable(value) or isinstance(value, property))
+    return sorted(name for name in names if not name.startswith("_") or name in ("__contains__", "__iter__"))
+
+
+def check_implements(piece, protocol: type, argument: str) -> None:
+    """A plugged-in piece that lacks part of its protocol is refused when the engine is built, not mid-step."""
+    missing = [name for name in protocol_members(protocol) if not hasattr(piece, name)]
+    if missing:
+        raise TypeError(f"{argument}={piece!r} does not implement kvlib.interfaces.{protocol.__name__}: it has no "
+                        f"{', '.join(missing)}; see that protocol's docstring for what each must do")
+
+
 def check_preemption_policy(policy, preemption_mode: str) -> None:
     """The mode has one owner: ``EngineConfig.preemption_mode``; a policy may choose only in auto mode."""
     if not callable(getattr(policy, "select_victim", None)):

@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib.attention.torch_backend import TorchAttentionBackend
+from kvlib.block_allocator import BlockAllocator
 from kvlib.course.grading.serving import serve_checked
 from kvlib.invariants import check_invariants
+from kvlib.prefix_cache import HostPrefixTier
 from kvlib.preemption import LatestArrivalPolicy
 from kvlib.sequence import SequenceStatus, sample_stream_seed
+from kvlib.sharing import BlockSharing
 
 
 @pytest.fixture(scope="module")
@@ -443,6 +447,30 @@ def test_a_policy_that_chooses_a_mode_needs_auto(folder):
             verbose=False)
     with pytest.raises(TypeError, match="takes a cost model, not a mode"):
         LatestArrivalPolicy("swap")
+
+
+def without(piece, member: str):
+    """``piece`` with one member of its protocol missing, as a learner's half-written class would be."""
+    class Without:
+        def __getattr__(self, name):
+            if name == member:
+                raise AttributeError(name)
+            return getattr(piece, name)
+    return Without()
+
+
+@pytest.mark.parametrize("argument, plugged, protocol, member", [
+    ("allocator", lambda: (lambda n: without(BlockAllocator(n), "ref_count")), "BlockAllocator", "ref_count"),
+    ("attention_backend", lambda: without(TorchAttentionBackend(), "copy_blocks"), "AttentionBackend", "copy_blocks"),
+    ("block_sharing", lambda: without(BlockSharing(), "make_writable"), "BlockSharing", "make_writable"),
+    ("oversubscription_detector", lambda: object(), "OversubscriptionDetector", "observe"),
+    ("host_prefix_tier", lambda: (lambda cpu: without(HostPrefixTier(cpu), "touch")), "HostPrefixTier", "touch"),
+])
+def test_a_plugged_piece_missing_part_of_its_protocol_is_refused_when_the_engine_is_built(
+        folder, argument, plugged, protocol, member):
+    config = EngineConfig(num_gpu_blocks=16, num_cpu_blocks=8, enable_prefix_caching=True, host_prefix_cache=True)
+    with pytest.raises(TypeError, match=f"{argument}=.* does not implement kvlib.interfaces.{protocol}: it has no {member};"):
+        LLM(folder, config, verbose=False, **{argument: plugged()})
 
 
 def test_triton_works_whatever_was_imported_first():
