@@ -8,6 +8,11 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# No timing thresholds in tests: an example's duration depends on what else shares the cores.
+settings.register_profile("kvlib", deadline=None)
+settings.load_profile("kvlib")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
