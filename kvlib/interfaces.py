@@ -9,6 +9,7 @@ piece keeps its contract.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -216,10 +217,19 @@ def protocol_members(protocol: type) -> list[str]:
 
 def check_implements(piece, protocol: type, argument: str) -> None:
     """A plugged-in piece that lacks part of its protocol is refused when the engine is built, not mid-step."""
-    missing = [name for name in protocol_members(protocol) if not hasattr(piece, name)]
+    missing = [name for name in protocol_members(protocol) if not _has(piece, name)]
     if missing:
         raise TypeError(f"{argument}={piece!r} does not implement kvlib.interfaces.{protocol.__name__}: it has no "
                         f"{', '.join(missing)}; see that protocol's docstring for what each must do")
+
+
+def _has(piece, name: str) -> bool:
+    """Whether ``piece`` has ``name``, without running a property (a learner's stub may raise)."""
+    try:
+        inspect.getattr_static(piece, name)
+        return True
+    except AttributeError:
+        return hasattr(piece, name)  # provided through __getattr__
 
 
 def check_preemption_policy(policy, preemption_mode: str) -> None:

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib import LLM, EngineConfig, SamplingParams, interfaces
 from kvlib.attention.torch_backend import TorchAttentionBackend
 from kvlib.block_allocator import BlockAllocator
 from kvlib.course.grading.serving import serve_checked
+from kvlib.interfaces import check_implements
 from kvlib.invariants import check_invariants
 from kvlib.prefix_cache import HostPrefixTier
 from kvlib.preemption import LatestArrivalPolicy
@@ -471,6 +472,24 @@ def test_a_plugged_piece_missing_part_of_its_protocol_is_refused_when_the_engine
     config = EngineConfig(num_gpu_blocks=16, num_cpu_blocks=8, enable_prefix_caching=True, host_prefix_cache=True)
     with pytest.raises(TypeError, match=f"{argument}=.* does not implement kvlib.interfaces.{protocol}: it has no {member};"):
         LLM(folder, config, verbose=False, **{argument: plugged()})
+
+
+def test_the_protocol_check_runs_no_property_of_a_half_written_piece():
+    """A lab's untouched stub raises NotImplementedError from its properties; the check only looks."""
+    class StubAllocator:
+        num_blocks = 4
+
+        @property
+        def num_free(self):
+            raise NotImplementedError("Task 1: count the free blocks")
+
+        num_used = num_free
+        ref_count = can_allocate = allocate = fork = free = lambda self, *args: None
+
+    check_implements(StubAllocator(), interfaces.BlockAllocator, "allocator")
+    del StubAllocator.free
+    with pytest.raises(TypeError, match="it has no free;"):
+        check_implements(StubAllocator(), interfaces.BlockAllocator, "allocator")
 
 
 def test_triton_works_whatever_was_imported_first():
