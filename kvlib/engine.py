@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
+from kvlib import interfaces
 from kvlib.block_allocator import BlockAllocator
 from kvlib.block_manager import BlockManager, BlockMoves
 from kvlib.config import EngineConfig, SamplingParams, is_integer
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
-from kvlib import interfaces
 from kvlib.metrics import EngineMetrics, StepRecord
 from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.loader import load_model

@@ -210,7 +210,7 @@ class HostPrefixTier(Protocol):
 
 def protocol_members(protocol: type) -> list[str]:
     """The methods and attributes a protocol declares (its own, not ``Protocol``'s machinery)."""
-    names = set(protocol.__dict__.get("__annotations__", {}))
+    names = set(inspect.get_annotations(protocol))
     names.update(name for name, value in vars(protocol).items() if callable(value) or isinstance(value, property))
     return sorted(name for name in names if not name.startswith("_") or name in ("__contains__", "__iter__"))
 
