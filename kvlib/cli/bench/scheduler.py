@@ -31,7 +31,7 @@ def time_scheduler(num_seqs: int, prompt_len: int = 128, steps: int = 64, block_
             for _ in range(repeats)]
     every_step = sorted(t for timings, _ in runs for t in timings)
     return {"running seqs": num_seqs, "prefix caching": enable_prefix_caching, "pool pressure": pressure,
-            "ms/step mean": statistics.median(statistics.mean(timings) for timings, _ in runs) * 1e3,
+            "ms/step": statistics.median(statistics.mean(timings) for timings, _ in runs) * 1e3,
             "ms/step p99": every_step[int(0.99 * (len(every_step) - 1))] * 1e3,
             "preemptions": runs[0][1], "target ms": 1.0}
 
