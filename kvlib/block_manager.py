@@ -133,10 +133,8 @@ class BlockManager:
 
         Asked for every running sequence in every step, so it counts in one pass, building nothing."""
         blocks, ref_count = seq.block_table.blocks, self.gpu.ref_count
-        needed = blocks_for(end, self.block_size)
-        shared = sum(ref_count(blocks[i]) > 1 for i in range(seq.num_computed_tokens // self.block_size,
-                                                              min(len(blocks), needed)))
-        return max(0, needed - len(blocks)) + shared
+        shared = sum(ref_count(blocks[i]) > 1 for i in self._written(seq, end))
+        return seq.block_table.num_missing_blocks(end) + shared
 
     def can_grow(self, seq: Sequence, end: int) -> bool:
         needed = self.blocks_to_grow(seq, end)
@@ -145,13 +143,18 @@ class BlockManager:
     def grow(self, seq: Sequence, end: int) -> None:
         """Make room for positions ``num_computed_tokens .. end-1``: a private copy of any shared block they write."""
         blocks, ref_count = seq.block_table.blocks, self.gpu.ref_count
-        for index in range(seq.num_computed_tokens // self.block_size, min(len(blocks), blocks_for(end, self.block_size))):
+        for index in self._written(seq, end):
             if ref_count(blocks[index]) > 1:
                 copy = self.sharing.make_writable(self.gpu, blocks, index, self.take)
                 if copy is not None:
                     self.moves.copies.append(copy)
         for _ in range(seq.block_table.num_missing_blocks(end)):
             seq.block_table.append(self.take())
+
+    def _written(self, seq: Sequence, end: int) -> range:
+        """Indices of the blocks ``seq`` already holds that positions ``num_computed_tokens .. end-1`` write."""
+        return range(seq.num_computed_tokens // self.block_size,
+                     min(len(seq.block_table.blocks), blocks_for(end, self.block_size)))
 
     # ---- admission -----------------------------------------------------------------------------
     def prefix_hits(self, seq: Sequence) -> list[PrefixHit]:
