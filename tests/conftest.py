@@ -2,9 +2,9 @@ import os
 import sys
 from pathlib import Path
 
-# One torch thread in this process and in every kernel and sandbox it starts (they inherit it):
-# several of them run at once on two cores, and torch's CPU kernels slow down sharply when their
-# threads outnumber the free cores (labs run two at a time took 106 s this way against 47 s).
+# One torch thread in every test worker and in every kernel and sandbox it starts (they inherit it):
+# they run side by side on the cores, and torch's CPU kernels slow down sharply when their threads
+# outnumber the free cores (two lab kernels at once took 106 s with torch's default against 47 s).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402

@@ -7,8 +7,6 @@ verdict typed by hand, or computed the wrong way round, fails whatever this mach
 from __future__ import annotations
 
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -50,18 +48,8 @@ def printed_line(printed: str, starts: str) -> str:
 
 # ---- lesson 07 ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def lessons() -> dict[str, tuple[dict, dict, str]]:
-    """Both lessons, run side by side: each in its own kernel, so the second core does not idle. Their
-    timings disagree with a quiet run's, which does not matter here: every verdict is recomputed from
-    the timings the same run measured."""
-    names = ["07_choosing_swap_or_recompute.ipynb", "09_serving_long_contexts.ipynb"]
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return {name[:2]: result for name, result in zip(names, pool.map(run_lesson, names))}
-
-
-@pytest.fixture(scope="module")
-def lesson07(lessons):
-    return lessons["07"]
+def lesson07():
+    return run_lesson("07_choosing_swap_or_recompute.ipynb")
 
 
 def test_07_the_measured_winner_is_the_cheaper_measured_option(lesson07):
@@ -127,8 +115,8 @@ def test_07_mistakes_conclude_from_their_tables(lesson07):
 
 # ---- lesson 09 ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def lesson09(lessons):
-    return lessons["09"]
+def lesson09():
+    return run_lesson("09_serving_long_contexts.ipynb")
 
 
 def returning_prices(cost: PreemptionCostModel, context: int, block_bytes: int) -> tuple[float, float]:
