@@ -14,8 +14,7 @@ import nbformat
 import pytest
 
 from kvlib.course.grading.results import NOT_IMPLEMENTED, PASS
-from kvlib.course.grading.runner import grade_cells, lab_of
-from kvlib.course.grading.sandbox import InProcess
+from kvlib.course.grading.runner import InProcess, grade_cells, lab_of
 from kvlib.course.labs import remove_hidden_tests
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,11 +29,16 @@ def _bench(args) -> int:
 def _grade(args) -> int:
     from pathlib import Path
 
-    from kvlib.course.grading.report import write_gradebook
+    from kvlib.course.grading.report import write_gradebook, write_gradescope
     from kvlib.course.grading.runner import grade_folder, grade_notebook
     from kvlib.course.grading.sandbox import Limits
-    path, limits = Path(args.path), Limits(check_scale=args.time_scale)
+    path = Path(args.path)
+    limits = Limits(check_scale=args.time_scale, submission_s=args.budget)
     if path.is_dir():
+        if args.format == "gradescope":
+            print("kvlib grade: --format gradescope grades one notebook (Gradescope runs one submission at a time)",
+                  file=sys.stderr)
+            return 2
         reports = grade_folder(path, args.lab, args.jobs, limits)
         if not reports:
             print(f"kvlib grade: {path} holds no .ipynb submissions", file=sys.stderr)
@@ -53,6 +58,8 @@ def _grade(args) -> int:
         print(f"kvlib grade: {exc}", file=sys.stderr)
         return 2
     print(report.table())
+    if args.format == "gradescope":
+        print(f"results: {write_gradescope(report, args.output or 'results.json')}")
     return 0 if report.full_marks else 1
 
 
@@ -88,8 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("path", help="a lab notebook, or a folder of submitted notebooks")
     grade.add_argument("--lab", help="the lab, e.g. lab02, when the file names do not say")
     grade.add_argument("--jobs", type=int, default=2, help="submissions graded at once (a folder)")
-    grade.add_argument("--csv", help="where the gradebook goes (a folder; default: PATH/gradebook.csv)")
+    grade.add_argument("--csv", help="the gradebook's file path, e.g. marks.csv (default: PATH/gradebook.csv)")
+    grade.add_argument("--format", choices=("table", "gradescope"), default="table",
+                       help="gradescope: also write Gradescope's results.json for one notebook")
+    grade.add_argument("--output", help="where --format gradescope writes (default: results.json)")
     grade.add_argument("--time-scale", type=float, default=1.0, help="multiply every check's time limit")
+    grade.add_argument("--budget", type=float, default=600.0,
+                       help="seconds all of one submission's checks may take together (scaled by --time-scale)")
     grade.set_defaults(run=_grade)
 
     labs = commands.add_parser("make-labs", help="generate labs/ from solutions/")

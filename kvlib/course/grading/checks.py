@@ -1,26 +1,34 @@
-"""Graded tasks made of named checks, each worth points, each run on the learner's piece.
+"""Graded tasks as tables of checks: a scenario that observes the learner's piece, and the points it is worth.
 
-A check is a function that raises :class:`CheckFailed` (through :func:`expect`) with a message
-saying what went wrong. Running a check never lets an exception escape: a stub's
-NotImplementedError scores zero as "not implemented" and any other error fails that check only,
-with the line of the learner's code that raised, so one unfinished task does not stop the
-others. Inside a notebook, ``Task.grade`` gives feedback; the grade itself is computed by
-``kvlib grade``, in a process the notebook never controls.
+A check's scenario runs the piece on inputs drawn from a seed and returns what it saw (an
+*observation*: numbers, strings, lists and dicts of them). The grader runs the same scenario on
+kvlib's own piece (the task's ``reference``) in its own process, and the check passes only when the
+two observations agree under the check's comparison. The learner's process therefore never decides
+a grade: it hands back data, and a scenario that cannot see the answer cannot fake it. A scenario
+may also fail on its own (:func:`expect`, e.g. a broken invariant), which can only cost points.
+
+``Task.grade`` gives the same verdicts as feedback inside a notebook, with seed 0; ``kvlib grade``
+draws a fresh seed, so code fitted to the feedback's cases does not pass for that reason.
 """
 from __future__ import annotations
 
+import math
+import random
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-from kvlib.course.grading.extract import Rules
 from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED, PASS, CheckResult, TaskResult
 
-DEFAULT_LIMIT_S = 120.0  # seconds a check may run before the grader stops it
+DEFAULT_LIMIT_S = 60.0  # seconds a check may run in the sandbox before the grader stops it
+FEEDBACK_SEED = 0
+
+Scenario = Callable[[Any, random.Random], Any]
+Compare = Callable[[Any, Any], Optional[str]]  # (yours, kvlib's) -> None when they agree, else why not
 
 
 class CheckFailed(AssertionError):
-    """The learner's piece gave a wrong answer; the message says which and what was expected."""
+    """The learner's piece did something no correct piece does; the message says what."""
 
 
 def expect(condition: bool, message: str) -> None:
@@ -30,69 +38,196 @@ def expect(condition: bool, message: str) -> None:
 
 def expect_raises(error: type[BaseException], action: Callable[[], Any], what: str) -> None:
     """``action()`` must raise ``error``; a NotImplementedError passes through as "not implemented"."""
+    got = raised(action)
+    if got != error.__name__:
+        raise CheckFailed(f"{what} raised {got}, expected {error.__name__}" if got else f"{what} did not raise "
+                          f"{error.__name__}")
+
+
+def raised(action: Callable[[], Any]) -> Optional[str]:
+    """The name of the exception ``action()`` raised, or None: an observation of how a piece refuses."""
     try:
         action()
     except NotImplementedError:
         raise
-    except error:
-        return
-    except Exception as exc:  # noqa: BLE001 - the wrong error is a failed check, not a crash
-        raise CheckFailed(f"{what} raised {type(exc).__name__}: {exc}, expected {error.__name__}") from exc
-    raise CheckFailed(f"{what} did not raise {error.__name__}")
+    except Exception as exc:  # noqa: BLE001 - which error it was is what is observed
+        return type(exc).__name__
+    return None
 
 
+# ---- comparing observations ---------------------------------------------------------------------
+def same(yours: Any, reference: Any, path: str = "") -> Optional[str]:
+    """Exact agreement, key by key; the message names the first observation that differs."""
+    if isinstance(reference, dict) and isinstance(yours, dict):
+        for key, expected in reference.items():
+            if key not in yours:
+                return f"{_at(path, key)}: nothing observed"
+            why = same(yours[key], expected, _at(path, key))
+            if why:
+                return why
+        return None
+    if yours != reference or type(yours) is not type(reference) and not _both_numbers(yours, reference):
+        return f"{path or 'result'}: yours is {_short(yours)}, kvlib's is {_short(reference)}"
+    return None
+
+
+def close(atol: float, rtol: float) -> Compare:
+    """Agreement of nested lists of floats within ``atol + rtol * |kvlib's|``, other values exactly."""
+    def compare(yours: Any, reference: Any, path: str = "") -> Optional[str]:
+        if isinstance(reference, dict) and isinstance(yours, dict):
+            for key, expected in reference.items():
+                why = compare(yours.get(key), expected, _at(path, key)) if key in yours else \
+                    f"{_at(path, key)}: nothing observed"
+                if why:
+                    return why
+            return None
+        if isinstance(reference, list) and _numeric(reference):
+            mine, theirs = _flat(yours), _flat(reference)
+            if mine is None or len(mine) != len(theirs):
+                return f"{path or 'result'}: yours has another shape than kvlib's ({_short(yours)})"
+            worst = max(((abs(a - b), i) for i, (a, b) in enumerate(zip(mine, theirs))
+                         if not (abs(a - b) <= atol + rtol * abs(b))), default=None, key=lambda t: (t[0], -t[1]))
+            if any(math.isnan(a) != math.isnan(b) for a, b in zip(mine, theirs)):
+                return f"{path or 'result'}: yours holds NaN where kvlib's does not"
+            if worst is not None:
+                return (f"{path or 'result'}: {sum(1 for a, b in zip(mine, theirs) if abs(a - b) > atol + rtol * abs(b))} "
+                        f"of {len(theirs)} values differ from kvlib's, by up to {worst[0]:.3g} (allowed {atol:g} + "
+                        f"{rtol:g} x |value|)")
+            return None
+        return same(yours, reference, path)
+    return compare
+
+
+def _at(path: str, key: Any) -> str:
+    return f"{path}, {key}" if path else str(key)
+
+
+def _both_numbers(a: Any, b: Any) -> bool:
+    return isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
+        and not isinstance(b, bool)
+
+
+def _numeric(value: Any) -> bool:
+    flat = _flat(value)
+    return flat is not None and len(flat) > 0
+
+
+def _flat(value: Any) -> Optional[list[float]]:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, list):
+        out: list[float] = []
+        for item in value:
+            inner = _flat(item)
+            if inner is None:
+                return None
+            out += inner
+        return out
+    return None
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + " ...]"
+
+
+# ---- tasks and checks ---------------------------------------------------------------------------
 @dataclass
 class Check:
     name: str
     points: int
     hint: str
-    run: Callable[[Any], None]
+    scenario: Scenario
+    compare: Compare = same
     limit_s: float = DEFAULT_LIMIT_S
 
 
 @dataclass
 class Task:
-    """A graded task: what it grades (``rules``), and its checks (``@task.check(points, hint)``)."""
+    """A graded task: the names it grades, what the grading sandbox hides, the reference, and its checks.
+
+    ``hidden`` lists kvlib's own answer to the task (``"module:Qualname"``, a class, a method or a
+    function, or ``"module:*"`` for a whole module): in the sandbox's copy of kvlib each is a stub that
+    raises NotImplementedError, and so it is while the notebook's feedback runs the learner's code.
+    ``reference`` builds kvlib's own piece, in the grader's process only.
+    """
 
     name: str
-    rules: Rules
+    needs: tuple[str, ...]
+    hidden: tuple[str, ...]
+    reference: Callable[[], Any]
     checks: list[Check] = field(default_factory=list)
 
-    def check(self, points: int, hint: str, limit_s: float = DEFAULT_LIMIT_S) -> Callable:
-        def register(run: Callable[[Any], None]) -> Callable[[Any], None]:
-            self.checks.append(Check(run.__name__, points, hint, run, limit_s))
-            return run
+    def check(self, points: int, hint: str, compare: Compare = same, limit_s: float = DEFAULT_LIMIT_S) -> Callable:
+        def register(scenario: Scenario) -> Scenario:
+            self.checks.append(Check(scenario.__name__, points, hint, scenario, compare, limit_s))
+            return scenario
         return register
 
+    def named(self, check: str) -> Check:
+        return next(c for c in self.checks if c.name == check)
+
     def piece(self, namespace: dict) -> Any:
-        """What the checks are handed: the one graded name, or a namespace of several."""
-        if len(self.rules.needs) == 1:
-            return namespace[self.rules.needs[0]]
-        return type("Learner", (), {name: namespace[name] for name in self.rules.needs})
+        """What the scenarios are handed: the one graded name, or a namespace of several."""
+        if len(self.needs) == 1:
+            return namespace[self.needs[0]]
+        return type("Learner", (), {name: namespace[name] for name in self.needs})
 
     def grade(self, piece: Any) -> TaskResult:
-        """Feedback inside the notebook: run every check on ``piece``, print a line per check."""
-        result = TaskResult(self.name, [self.run_check(check, piece) for check in self.checks])
+        """Feedback inside the notebook: every check on ``piece`` against kvlib's own, a line per check."""
+        from kvlib.course.grading.hidden import hiding
+
+        results = []
+        for check in self.checks:
+            reference = observe(check, self.reference(), FEEDBACK_SEED)
+            with hiding(self.hidden):
+                yours = observe(check, piece, FEEDBACK_SEED)
+            results.append(verdict(check, yours, reference))
+        result = TaskResult(self.name, results)
         for check in result.checks:
             print(_line(self.name, check))
         print(f"{self.name}: {result.points}/{result.max_points} points")
         return result
 
     def zero(self, status: str, message: str) -> TaskResult:
-        """Every check of the task scored zero for one reason (a violation, a crash)."""
+        """Every check of the task scored zero for one reason (a missing name, a crash)."""
         return TaskResult(self.name, [CheckResult(c.name, c.points, status, message, c.hint) for c in self.checks])
 
-    def run_check(self, check: Check, piece: Any) -> CheckResult:
-        try:
-            check.run(piece)
-        except NotImplementedError as exc:
-            return CheckResult(check.name, check.points, NOT_IMPLEMENTED, str(exc) or "a stub is still in place")
-        except CheckFailed as exc:
-            return CheckResult(check.name, check.points, FAIL, str(exc), check.hint)
-        except Exception as exc:  # noqa: BLE001 - the learner's bug fails this check only
-            return CheckResult(check.name, check.points, FAIL, f"raised {type(exc).__name__}: {exc}{_where(exc)}",
-                               check.hint)
-        return CheckResult(check.name, check.points, PASS)
+
+@dataclass(frozen=True)
+class Observed:
+    """What one scenario run gave: an observation, or why there is none (``status`` is FAIL or NOT_IMPLEMENTED)."""
+
+    status: str  # "observed", FAIL, NOT_IMPLEMENTED
+    observation: Any = None
+    message: str = ""
+
+
+def observe(check: Check, piece: Any, seed: int) -> Observed:
+    """Run ``check``'s scenario on ``piece``; never lets an exception escape."""
+    try:
+        return Observed("observed", check.scenario(piece, random.Random(seed)))
+    except NotImplementedError as exc:
+        return Observed(NOT_IMPLEMENTED, message=str(exc) or "a stub is still in place")
+    except CheckFailed as exc:
+        return Observed(FAIL, message=str(exc))
+    except Exception as exc:  # noqa: BLE001 - the learner's bug fails this check only
+        return Observed(FAIL, message=f"raised {type(exc).__name__}: {exc}{_where(exc)}")
+
+
+def verdict(check: Check, yours: Observed, reference: Observed) -> CheckResult:
+    """The grader's decision for one check, from the two observations."""
+    if reference.status != "observed":
+        raise RuntimeError(f"the grader's own check {check.name} fails on kvlib's piece: {reference.message}")
+    if yours.status != "observed":
+        return CheckResult(check.name, check.points, yours.status, yours.message,
+                           check.hint if yours.status == FAIL else "")
+    why = check.compare(yours.observation, reference.observation)
+    if why:
+        return CheckResult(check.name, check.points, FAIL, why, check.hint)
+    return CheckResult(check.name, check.points, PASS)
 
 
 def _where(exc: BaseException) -> str:

@@ -6,41 +6,21 @@ name winning as it would when the cells run top to bottom, and only those that t
 need (their closure). Everything else, a check cell, a last cell that rewrites a file, an
 assignment that patches a module, is dropped unread.
 
-What is kept is then read for what a graded definition may not do: reach kvlib's own
-implementation of the piece it is graded on (an import, a subclass, a call), or reach around the
-grader (the process, the file system, another module's internals through dunder attributes).
-Either costs the task all its points, with a message that says which line did it.
+What is kept runs as a module of its own (``learner``, in ``sys.modules``), compiled with no
+``__future__`` flags but its own, so dataclasses, enums and typing work as they do in the notebook.
+Nothing here decides whether code is allowed: the sandbox it runs in holds no answer to reach.
 """
 from __future__ import annotations
 
 import ast
 import linecache
+import sys
 import threading
+import types
 from dataclasses import dataclass, field
-from typing import Optional
 
 import nbformat
 
-# Modules a lab's code may import besides the kvlib names its task allows.
-ALLOWED_MODULES = frozenset({
-    "__future__", "abc", "bisect", "collections", "dataclasses", "enum", "functools", "heapq", "itertools",
-    "math", "operator", "random", "statistics", "time", "typing", "numpy", "torch", "triton", "triton.language",
-})
-# Names and attributes that reach outside the learner's own code: the process, files, other modules.
-FORBIDDEN_NAMES = frozenset({
-    "__import__", "exec", "eval", "compile", "open", "globals", "locals", "vars", "getattr", "setattr",
-    "delattr", "breakpoint", "input", "__builtins__", "memoryview",
-})
-FORBIDDEN_ATTRIBUTES = frozenset({
-    "os", "sys", "subprocess", "importlib", "builtins", "shutil", "pathlib", "socket", "ctypes", "gc",
-    "inspect", "pickle", "marshal", "io", "signal", "threading", "multiprocessing", "resource", "modules",
-    "environ", "system", "popen", "kvlib",
-})
-ALLOWED_DUNDERS = frozenset({
-    "__init__", "__post_init__", "__call__", "__len__", "__iter__", "__next__", "__getitem__", "__setitem__",
-    "__contains__", "__repr__", "__str__", "__eq__", "__hash__", "__lt__", "__le__", "__gt__", "__ge__",
-    "__enter__", "__exit__", "__bool__",
-})
 # A folder is graded by several threads, and CPython 3.11 keeps ``ast.parse``'s recursion count in
 # per-interpreter state: two parses at once can fail with "SystemError: AST constructor recursion
 # depth mismatch" (seen grading a class; python/cpython#106905). One parse at a time.
@@ -67,16 +47,22 @@ class Statement:
         own = [line if line.endswith("\n") else line + "\n" for line in self.source.splitlines(True)]
         lines[self.first_line - 1:self.first_line - 1 + len(own)] = own
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-        return compile("\n" * (self.first_line - 1) + self.source, filename, "exec")
+        return compile("\n" * (self.first_line - 1) + self.source, filename, "exec", dont_inherit=True)
 
 
-def load(statements: list[Statement], namespace: dict) -> None:
-    """Run a notebook's kept statements in ``namespace``, in order. The source an earlier notebook
-    registered for the same cells in this process is dropped first, so no function shows its lines."""
+LEARNER_MODULE = "learner"
+
+
+def load(statements: list[Statement]) -> types.ModuleType:
+    """Run a notebook's kept statements, in order, as the module ``learner``. The source an earlier
+    notebook registered for the same cells in this process is dropped first, so no function shows its lines."""
     for filename in {statement.filename for statement in statements}:
         linecache.cache.pop(filename, None)
+    module = types.ModuleType(LEARNER_MODULE)
+    sys.modules[LEARNER_MODULE] = module
     for statement in statements:
-        exec(statement.compile(), namespace)  # noqa: S102 - the learner's definitions, checked by extract
+        exec(statement.compile(), module.__dict__)  # noqa: S102 - the learner's definitions, in the sandbox
+    return module
 
 
 @dataclass
@@ -85,16 +71,7 @@ class Extracted:
 
     statements: list[Statement]  # the kept statements, in the order the notebook runs them
     defined: set[str]  # top-level names they define
-    violations: list[str] = field(default_factory=list)  # why a task must score zero, one line each
-
-
-@dataclass(frozen=True)
-class Rules:
-    """What the graded names of one task may import from kvlib, and what they must define themselves."""
-
-    needs: tuple[str, ...]  # the names the task grades, e.g. ("MyBlockAllocator",)
-    kvlib_imports: dict = field(default_factory=dict)  # module -> names the learner may import from it
-    own_methods: tuple[str, ...] = ()  # methods the graded classes must define in their own body
+    problems: list[str] = field(default_factory=list)  # why nothing can be graded, one line each
 
 
 def code_cells(path) -> list[str]:
@@ -102,8 +79,8 @@ def code_cells(path) -> list[str]:
     return [cell.source for cell in nb.cells if cell.cell_type == "code"]
 
 
-def extract(cells: list[str], rules: Rules) -> Extracted:
-    """The closure of ``rules.needs`` over the notebook's top-level definitions, with its violations."""
+def extract(cells: list[str], needs: tuple[str, ...]) -> Extracted:
+    """The closure of ``needs`` over the notebook's top-level definitions."""
     statements: dict[str, ast.stmt] = {}
     origin: dict[int, Statement] = {}
     order: list[str] = []
@@ -123,18 +100,17 @@ def extract(cells: list[str], rules: Rules) -> Extracted:
                 if name in order:
                     order.remove(name)
                 order.append(name)
-    missing = [n for n in rules.needs if n not in statements]
+    missing = [n for n in needs if n not in statements]
     if missing:
         return Extracted([], set(), [f"the notebook defines no {', '.join(missing)}: keep the name the lab gives"])
-    kept = _closure(rules.needs, statements)
+    kept = _closure(needs, statements)
     ordered, seen = [], set()
     for name in order:
         statement = statements[name]
         if name in kept and id(statement) not in seen:
             seen.add(id(statement))
             ordered.append(statement)
-    violations = _violations(ordered, rules, statements, origin)
-    return Extracted([origin[id(s)] for s in ordered], kept, violations)
+    return Extracted([origin[id(s)] for s in ordered], kept)
 
 
 def _without_magics(source: str) -> str:
@@ -180,65 +156,3 @@ def _free_names(statement: ast.stmt) -> set[str]:
         elif isinstance(node, ast.ExceptHandler) and node.name:
             bound.add(node.name)
     return loaded - bound
-
-
-def _violations(kept: list[ast.stmt], rules: Rules, statements: dict[str, ast.stmt], origin: dict) -> list[str]:
-    found = []
-    from_kvlib = {(alias.asname or alias.name) for s in kept for node in ast.walk(s) if isinstance(node, ast.ImportFrom)
-                  and (node.module or "").split(".")[0] == "kvlib" for alias in node.names}
-    for statement in kept:
-        cell = origin[id(statement)].cell
-
-        def flag(node: ast.AST, why: str) -> None:
-            found.append(f"code cell {cell}, line {getattr(node, 'lineno', '?')}: {why}")
-        _check_statement(statement, rules, from_kvlib, flag)
-    return found
-
-
-def _check_statement(statement: ast.stmt, rules: Rules, from_kvlib: set[str], flag) -> None:
-    for node in ast.walk(statement):
-        if isinstance(node, ast.ImportFrom):
-            module_name = ("." * node.level) + (node.module or "")
-            for alias in node.names:
-                _check_import(module_name, alias.name, rules, node, flag)
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                _check_import(alias.name, None, rules, node, flag)
-        elif isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
-            flag(node, f"uses {node.id}, which graded code may not use")
-        elif isinstance(node, ast.Attribute):
-            if node.attr in rules.own_methods and _is_super_call(node.value):
-                flag(node, f"calls super().{node.attr}: a graded method must do its work itself")
-            elif node.attr in rules.own_methods and isinstance(node.value, ast.Name) and node.value.id in from_kvlib:
-                flag(node, f"calls kvlib's own {node.value.id}.{node.attr}: a graded method must do its work itself")
-            elif node.attr in FORBIDDEN_ATTRIBUTES:
-                flag(node, f"reaches .{node.attr}, outside your own code")
-            elif node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in ALLOWED_DUNDERS:
-                flag(node, f"reaches {node.attr}, an interpreter internal")
-    if isinstance(statement, ast.ClassDef) and statement.name in rules.needs:
-        own = {n.name for n in statement.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        missing = [m for m in rules.own_methods if m not in own]
-        if missing:
-            flag(statement, f"{statement.name} must define {', '.join(missing)} itself, not inherit them")
-
-
-def _is_super_call(node: ast.AST) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
-
-
-def _check_import(module_name: str, name: Optional[str], rules: Rules, node: ast.AST, flag) -> None:
-    top = module_name.split(".")[0]
-    if top == "kvlib":
-        allowed = rules.kvlib_imports.get(module_name)
-        if allowed is None or name is None or (name not in allowed and "*" not in allowed):
-            what = f"{name} from {module_name}" if name else module_name
-            flag(node, f"imports {what}: a task is graded on your own implementation, so it may not use "
-                       f"kvlib's; allowed from kvlib: {_describe(rules.kvlib_imports)}")
-    elif module_name not in ALLOWED_MODULES and top not in ALLOWED_MODULES:
-        flag(node, f"imports {module_name}, which graded code may not use (allowed: {', '.join(sorted(ALLOWED_MODULES))})")
-
-
-def _describe(imports: dict) -> str:
-    if not imports:
-        return "nothing"
-    return "; ".join(f"{', '.join(sorted(names))} from {module}" for module, names in sorted(imports.items()))

@@ -1,269 +1,229 @@
 """Lab 02 checks: the learner's block allocator and block table, alone and inside the engine.
 
-Each check targets one rule of the interface (``kvlib.interfaces.BlockAllocator``), so a bug
-costs the checks that cover it and nothing else. The engine checks serve workloads with the
-learner's allocator managing both pools: one that forks (parallel samples) and shares prefix
-blocks, so a block freed while still shared is caught; one small enough to force swapping and
-recomputation. Tokens are compared with kvlib's own allocator on the same workload.
+Each check targets one rule of the interface (``kvlib.interfaces.BlockAllocator``) on sizes and
+ids drawn from the seed, so a bug costs the checks that cover it and nothing else. Every check
+observes what the piece does and is compared with kvlib's own allocator or table on the same
+inputs. The engine checks serve workloads with the learner's allocator managing both pools: one
+that forks (parallel samples) and shares prefix blocks, so a block freed while still shared is
+caught; one small enough to force swapping and recomputation.
 """
 from __future__ import annotations
 
 import random
 from collections import Counter
-from functools import cache
 
-from kvlib.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
-from kvlib.course.grading.checks import Task, expect, expect_raises
-from kvlib.course.grading.extract import Rules
-from kvlib.course.grading.results import TaskResult
+from kvlib.block_allocator import AllocStatus
+from kvlib.course.grading.checks import Task, raised
 from kvlib.course.grading.serving import serve_checked
 
-ALLOCATOR_RULES = Rules(needs=("MyBlockAllocator",),
-                        kvlib_imports={"kvlib.block_allocator": {"AllocStatus", "BlockAllocatorError"}},
-                        own_methods=("ref_count", "can_allocate", "allocate", "fork", "free"))
-allocator = Task("allocator", ALLOCATOR_RULES)
-block_table = Task("block_table", Rules(needs=("MyBlockTable",),
-                                        own_methods=("num_missing_blocks", "slot", "slots", "pop_tail")))
-engine = Task("engine", ALLOCATOR_RULES)
+ALLOCATOR = ("kvlib.block_allocator:BlockAllocator",)
+TABLE = tuple(f"kvlib.block_table:BlockTable.{m}" for m in ("capacity", "num_missing_blocks", "slot", "slots",
+                                                              "pop_tail"))
+
+
+def _allocator():
+    from kvlib.block_allocator import BlockAllocator
+    return BlockAllocator
+
+
+def _table():
+    from kvlib.block_table import BlockTable
+    return BlockTable
+
+
+allocator = Task("allocator", ("MyBlockAllocator",), ALLOCATOR, _allocator)
+block_table = Task("block_table", ("MyBlockTable",), TABLE, _table)
+engine = Task("engine", ("MyBlockAllocator",), ALLOCATOR, _allocator)
 TASKS = [allocator, block_table, engine]
-
-
-def check_allocator(allocator_cls) -> TaskResult:
-    return allocator.grade(allocator_cls)
-
-
-def check_block_table(block_table_cls) -> TaskResult:
-    return block_table.grade(block_table_cls)
-
-
-def check_engine(allocator_cls) -> TaskResult:
-    return engine.grade(allocator_cls)
+check_allocator, check_block_table, check_engine = allocator.grade, block_table.grade, engine.grade
 
 
 # ---- allocator ---------------------------------------------------------------------------------
 @allocator.check(2, "allocate() takes an id off the free list, sets its reference count to 1, "
                     "and raises BlockAllocatorError when no block is free")
-def allocate_unique(cls) -> None:
-    pool = cls(16)
-    expect((pool.num_blocks, pool.num_free, pool.num_used) == (16, 16, 0),
-           f"a new allocator of 16 blocks reports num_blocks={pool.num_blocks}, num_free={pool.num_free}, "
-           f"num_used={pool.num_used}; expected 16, 16, 0")
-    ids = [pool.allocate() for _ in range(16)]
-    expect(sorted(ids) == list(range(16)),
-           f"allocating 16 blocks from a pool of 16 gave ids {ids}; expected each of 0..15 exactly once")
-    expect(all(pool.ref_count(b) == 1 for b in ids), "a newly allocated block must have ref_count 1")
-    expect((pool.num_free, pool.num_used) == (0, 16),
-           f"with every block allocated, num_free={pool.num_free} and num_used={pool.num_used}; expected 0 and 16")
-    expect_raises(BlockAllocatorError, pool.allocate, "allocate() on a pool with no free block")
+def allocate_unique(cls, rng: random.Random) -> dict:
+    n = rng.randint(6, 24)
+    pool = cls(n)
+    new = [pool.num_blocks, pool.num_free, pool.num_used]
+    ids = [pool.allocate() for _ in range(n)]
+    return {f"num_blocks, num_free, num_used of a new pool of {n}": new,
+            f"the ids of {n} allocations from it, sorted": sorted(ids),
+            "their ref_counts": [pool.ref_count(b) for b in sorted(ids)],
+            "num_free, num_used with every block allocated": [pool.num_free, pool.num_used],
+            "what allocate() on a full pool raises": raised(pool.allocate)}
 
 
 @allocator.check(2, "free() drops one owner; when the count reaches 0 the block goes back on the free list")
-def free_returns_block(cls) -> None:
-    pool = cls(4)
-    ids = [pool.allocate() for _ in range(4)]
-    pool.free(ids[1])
-    expect((pool.num_free, pool.num_used) == (1, 3),
-           f"after freeing 1 block of a full pool of 4, num_free={pool.num_free} and num_used={pool.num_used}; "
-           f"expected 1 and 3")
-    expect(pool.ref_count(ids[1]) == 0, f"after free({ids[1]}), ref_count({ids[1]}) is {pool.ref_count(ids[1])}; expected 0")
-    again = pool.allocate()
-    expect(again == ids[1], f"block {ids[1]} was the only free block, but allocate() returned {again}")
+def free_returns_block(cls, rng: random.Random) -> dict:
+    n = rng.randint(3, 12)
+    pool = cls(n)
+    ids = [pool.allocate() for _ in range(n)]
+    freed = ids[rng.randrange(n)]
+    pool.free(freed)
+    seen = {f"num_free, num_used after freeing 1 block of a full pool of {n}": [pool.num_free, pool.num_used],
+            "ref_count of the freed block": pool.ref_count(freed),
+            "allocate() then returns the freed block": pool.allocate() == freed}
     for block in ids:
         pool.free(block)
-    expect(pool.num_free == 4, f"after freeing every block, num_free is {pool.num_free}; expected 4")
+    seen["num_free after freeing every block"] = pool.num_free
+    return seen
 
 
 @allocator.check(2, "fork() adds an owner and returns the same id; free() removes one; "
                     "a block is free only once its last owner frees it")
-def refcount(cls) -> None:
-    pool = cls(4)
+def refcount(cls, rng: random.Random) -> dict:
+    n, forks = rng.randint(2, 8), rng.randint(1, 4)
+    pool = cls(n)
     block = pool.allocate()
-    shared = pool.fork(block)
-    expect(shared == block, f"fork({block}) returned {shared}; sharing a block must return the same id")
-    pool.fork(block)
-    expect(pool.ref_count(block) == 3, f"after allocate and 2 forks, ref_count is {pool.ref_count(block)}; expected 3")
-    expect(pool.num_used == 1, f"forking shares a block, so num_used should stay 1, got {pool.num_used}")
-    pool.free(block)
-    expect((pool.ref_count(block), pool.num_free) == (2, 3),
-           f"after 2 forks and 1 free, ref_count={pool.ref_count(block)} and num_free={pool.num_free}; "
-           f"expected 2 and 3 (two owners still hold the block)")
-    pool.free(block)
-    pool.free(block)
-    expect((pool.ref_count(block), pool.num_free) == (0, 4),
-           f"after the last owner frees it, ref_count={pool.ref_count(block)} and num_free={pool.num_free}; "
-           f"expected 0 and 4")
+    same_ids = all(pool.fork(block) == block for _ in range(forks))
+    seen = {"fork returns the id it shares": same_ids,
+            f"ref_count, num_used after allocate and {forks} forks": [pool.ref_count(block), pool.num_used]}
+    counts = []
+    for _ in range(forks + 1):
+        pool.free(block)
+        counts.append([pool.ref_count(block), pool.num_free])
+    seen["ref_count, num_free after each free"] = counts
+    return seen
 
 
 @allocator.check(1, "free() and fork() of a block nobody owns, or of an id outside 0..num_blocks-1, "
                     "must raise BlockAllocatorError and leave the pool unchanged")
-def double_free_raises(cls) -> None:
-    pool = cls(4)
+def double_free_raises(cls, rng: random.Random) -> dict:
+    n = rng.randint(3, 10)
+    pool = cls(n)
     block = pool.allocate()
     pool.free(block)
-    expect_raises(BlockAllocatorError, lambda: pool.free(block), f"freeing block {block} twice")
-    expect_raises(BlockAllocatorError, lambda: pool.fork(block), f"forking free block {block}")
-    never = next(b for b in range(4) if b != block)
-    expect_raises(BlockAllocatorError, lambda: pool.free(never), f"freeing block {never}, never allocated")
-    expect_raises(BlockAllocatorError, lambda: pool.free(4), "freeing block 4 in a pool of 4 (ids 0..3)")
-    expect(pool.num_free == 4, f"a refused free must not change the pool, but num_free is now {pool.num_free}; expected 4")
+    never = next(b for b in range(n) if b != block)
+    return {"freeing a block twice raises": raised(lambda: pool.free(block)),
+            "forking a free block raises": raised(lambda: pool.fork(block)),
+            "freeing a block never allocated raises": raised(lambda: pool.free(never)),
+            f"freeing block {n} of a pool of {n} raises": raised(lambda: pool.free(n)),
+            "forking block -1 raises": raised(lambda: pool.fork(-1)),
+            "num_free after the refused calls": pool.num_free}
 
 
 @allocator.check(2, "can_allocate(n, watermark_blocks): NEVER when n > num_blocks - watermark_blocks, "
                     "OK when num_free - n >= watermark_blocks, otherwise LATER")
-def watermark(cls) -> None:
-    pool = cls(10)
-    cases = [(10, 0, AllocStatus.OK), (11, 0, AllocStatus.NEVER), (8, 2, AllocStatus.OK), (9, 2, AllocStatus.NEVER)]
-    _expect_answers(pool, cases)
-    for _ in range(5):
-        pool.allocate()
-    cases = [(5, 0, AllocStatus.OK), (6, 0, AllocStatus.LATER), (3, 2, AllocStatus.OK), (4, 2, AllocStatus.LATER),
-             (8, 2, AllocStatus.LATER), (9, 2, AllocStatus.NEVER)]
-    _expect_answers(pool, cases)
-
-
-def _expect_answers(pool, cases) -> None:
-    for num_blocks, watermark_blocks, expected in cases:
-        got = pool.can_allocate(num_blocks, watermark_blocks)
-        expect(got == expected, f"with {pool.num_free} of {pool.num_blocks} blocks free, "
-                                f"can_allocate({num_blocks}, watermark_blocks={watermark_blocks}) returned {got}; "
-                                f"expected {expected}")
+def watermark(cls, rng: random.Random) -> dict:
+    n = rng.randint(8, 16)
+    pool = cls(n)
+    answers = {}
+    for used in (0, rng.randint(1, n - 1), n):
+        while pool.num_used < used:
+            pool.allocate()
+        for want in sorted({0, 1, n - pool.num_used, n - pool.num_used + 1, n - 2, n - 1, n, n + 1}):
+            for mark in (0, 1, 2):
+                answers[f"{used} of {n} used, can_allocate({want}, watermark_blocks={mark})"] = \
+                    str(pool.can_allocate(want, mark))
+    return answers
 
 
 @allocator.check(1, "after every allocate, fork and free: each block's ref_count equals its owners, "
                     "num_free counts the blocks nobody owns, and num_free + num_used == num_blocks")
-def random_workload(cls) -> None:
-    for seed in range(5):
-        rng = random.Random(seed)
+def random_workload(cls, rng: random.Random) -> dict:
+    runs = []
+    for _ in range(5):
         num_blocks = rng.randint(1, 24)
-        pool, owners = cls(num_blocks), Counter()
-        for step in range(200):
-            owned = sorted(b for b, n in owners.items() if n)
+        pool, owners, trace = cls(num_blocks), Counter(), []
+        for _ in range(200):
+            owned = sorted(b for b, count in owners.items() if count)
             op = rng.choice(["allocate", "allocate", "fork", "free", "free"])
             if op == "allocate" and len(owned) < num_blocks:
                 block = pool.allocate()
-                expect(0 <= block < num_blocks and owners[block] == 0,
-                       f"workload {seed}, step {step}: allocate() returned block {block}, which is "
-                       f"{'still owned' if 0 <= block < num_blocks else 'outside 0..' + str(num_blocks - 1)}")
-                owners[block] = 1
+                trace.append(["allocate", 0 <= block < num_blocks and owners[block] == 0])
+                owners[block] += 1
             elif op in ("fork", "free") and owned:
                 block = rng.choice(owned)
                 getattr(pool, op)(block)
                 owners[block] += 1 if op == "fork" else -1
+                trace.append([op, block])
             else:
                 continue
-            _expect_consistent(pool, owners, f"workload {seed}, after {op} at step {step}")
+            trace.append([[pool.ref_count(b) for b in range(num_blocks)], pool.num_free, pool.num_used])
         for block in list(owners.elements()):
             pool.free(block)
-        expect(pool.num_free == num_blocks,
-               f"workload {seed}: after every owner freed its blocks, num_free is {pool.num_free}; expected {num_blocks}")
-
-
-def _expect_consistent(pool, owners: Counter, where: str) -> None:
-    for block in range(pool.num_blocks):
-        expect(pool.ref_count(block) == owners[block],
-               f"{where}: ref_count({block}) is {pool.ref_count(block)} but {owners[block]} owner(s) hold it")
-    unowned = sum(1 for block in range(pool.num_blocks) if owners[block] == 0)
-    expect(pool.num_free == unowned, f"{where}: num_free is {pool.num_free} but {unowned} block(s) have no owner")
-    expect(pool.num_free + pool.num_used == pool.num_blocks,
-           f"{where}: num_free {pool.num_free} + num_used {pool.num_used} != num_blocks {pool.num_blocks}")
+        runs.append({"after each call: a fresh id, or the block; then every ref_count, num_free, num_used": trace,
+                     "num_free once every owner freed": pool.num_free})
+    return {f"workload {i}": run for i, run in enumerate(runs)}
 
 
 # ---- block table -------------------------------------------------------------------------------
+def _blocks(rng: random.Random, count: int) -> list[int]:
+    return rng.sample(range(40), count)
+
+
 @block_table.check(2, "token i sits in block blocks[i // block_size] at offset i % block_size; "
                       "its slot is that block id * block_size + offset")
-def slot_mapping(cls) -> None:
-    table = cls(4)
-    for block in (7, 2, 9):
+def slot_mapping(cls, rng: random.Random) -> dict:
+    size = rng.choice([2, 3, 4, 8])
+    table = cls(size)
+    blocks = _blocks(rng, 3)
+    for block in blocks:
         table.append(block)
-    expect(table.blocks == [7, 2, 9], f"after appending 7, 2, 9, blocks is {table.blocks}; expected [7, 2, 9]")
-    for position, slot in {0: 28, 3: 31, 4: 8, 5: 9, 11: 39}.items():
-        got = table.slot(position)
-        expect(got == slot, f"with blocks [7, 2, 9] and block_size 4, slot({position}) is {got}; expected {slot} "
-                            f"(block {table.blocks[position // 4]} * 4 + offset {position % 4})")
-    got = table.slots(2, 7)
-    expect(got == [30, 31, 8, 9, 10], f"slots(2, 7) is {got}; expected [30, 31, 8, 9, 10] (positions 2..6)")
+    positions = sorted(rng.sample(range(3 * size), 5)) + [0, 3 * size - 1]
+    start = rng.randrange(size)
+    return {f"blocks after appending {blocks}": list(table.blocks),
+            f"slot(p) for p in {positions}, block_size {size}": [table.slot(p) for p in positions],
+            f"slots({start}, {start + size + 1})": table.slots(start, start + size + 1)}
 
 
 @block_table.check(2, "capacity is len(blocks) * block_size; num_missing_blocks(n) is ceil(n / block_size) "
                       "minus the blocks already held, and never below 0")
-def missing_blocks(cls) -> None:
-    table = cls(4)
-    expect(table.capacity == 0, f"an empty table has capacity {table.capacity}; expected 0")
-    for tokens, missing in {0: 0, 1: 1, 4: 1, 5: 2, 12: 3}.items():
-        got = table.num_missing_blocks(tokens)
-        expect(got == missing, f"an empty table with block_size 4 needs {missing} block(s) for {tokens} tokens, "
-                               f"num_missing_blocks gave {got}")
-    table.append(3)
-    table.append(0)
-    expect(table.capacity == 8, f"2 blocks of 4 tokens hold 8 tokens, capacity is {table.capacity}")
-    for tokens, missing in {3: 0, 8: 0, 9: 1, 17: 3}.items():
-        got = table.num_missing_blocks(tokens)
-        expect(got == missing, f"a table holding 2 blocks of 4 tokens needs {missing} more block(s) for {tokens} "
-                               f"tokens, num_missing_blocks gave {got}")
+def missing_blocks(cls, rng: random.Random) -> dict:
+    size = rng.choice([2, 4, 5, 16])
+    table = cls(size)
+    tokens = [0, 1, size - 1, size, size + 1, 3 * size, 3 * size + 1]
+    seen = {"capacity of an empty table": table.capacity,
+            f"num_missing_blocks(n) of an empty table for n in {tokens}": [table.num_missing_blocks(t) for t in tokens]}
+    for block in _blocks(rng, 2):
+        table.append(block)
+    seen["capacity with 2 blocks"] = table.capacity
+    seen[f"num_missing_blocks(n) with 2 blocks for n in {tokens}"] = [table.num_missing_blocks(t) for t in tokens]
+    return seen
 
 
 @block_table.check(1, "pop_tail(count) removes and returns the last count blocks in table order; "
                       "pop_tail(0) removes nothing (blocks[-0:] is the whole list)")
-def pop_tail(cls) -> None:
+def pop_tail(cls, rng: random.Random) -> dict:
     table = cls(2)
-    for block in (5, 3, 8, 1):
+    blocks = _blocks(rng, 5)
+    for block in blocks:
         table.append(block)
-    got = table.pop_tail(2)
-    expect((got, table.blocks) == ([8, 1], [5, 3]),
-           f"from blocks [5, 3, 8, 1], pop_tail(2) returned {got} and left {table.blocks}; expected [8, 1] and [5, 3]")
-    got = table.pop_tail(0)
-    expect((got, table.blocks) == ([], [5, 3]),
-           f"pop_tail(0) returned {got} and left {table.blocks}; expected [] and [5, 3]")
-    got = table.pop_tail(2)
-    expect((got, table.blocks) == ([5, 3], []), f"pop_tail(2) returned {got} and left {table.blocks}; expected [5, 3] and []")
+    seen = {}
+    for count in (2, 0, 3):
+        seen[f"pop_tail({count}), then blocks"] = [table.pop_tail(count), list(table.blocks)]
+    return seen
 
 
 # ---- engine ------------------------------------------------------------------------------------
 # Six prompts that need up to 27 blocks in a pool of 12: the engine must swap and recompute.
 PRESSURE = dict(block_size=4, num_gpu_blocks=12, num_cpu_blocks=6, preemption_mode="swap", device="cpu")
-PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(5 + i)] for i in range(6)]
 # Three samples of each of four prompts that share a 12-token system prompt through prefix
 # caching: blocks held by several sequences and the cache at once, freed one owner at a time.
 SHARING = dict(block_size=4, num_gpu_blocks=40, num_cpu_blocks=8, preemption_mode="swap", watermark=0.0,
                enable_prefix_caching=True, device="cpu")
-SYSTEM = [(11 * j) % 250 + 3 for j in range(12)]
-SHARED_PROMPTS = [SYSTEM + [(5 * i + j) % 250 + 3 for j in range(2 + i)] for i in range(4)]
 MAX_TOKENS = 10
 MAX_STEPS = 500
 
 
+def _tokens(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(3, 253) for _ in range(count)]
+
+
 @engine.check(3, "pass the allocator checks first; parallel samples fork their prompt's blocks and prefix "
                  "caching holds blocks too: free() must drop one owner, never the block while others hold it")
-def shares_blocks(cls) -> None:
-    _expect_same(cls, SHARING, SHARED_PROMPTS, n=3)
+def shares_blocks(cls, rng: random.Random) -> dict:
+    system = _tokens(rng, 12)
+    return _serve(cls, SHARING, [system + _tokens(rng, 2 + i) for i in range(4)], n=3)
 
 
 @engine.check(2, "under memory pressure the engine swaps and recomputes; it needs exact free counts, and every "
                  "block must be free again once all requests finish")
-def serves_under_pressure(cls) -> None:
-    _expect_same(cls, PRESSURE, PROMPTS, n=1)
+def serves_under_pressure(cls, rng: random.Random) -> dict:
+    return _serve(cls, PRESSURE, [_tokens(rng, 5 + i) for i in range(6)], n=1)
 
 
-def _expect_same(cls, config: dict, prompts: list, n: int) -> None:
-    tokens, pools, cached = _serve(cls, tuple(config.items()), tuple(map(tuple, prompts)), n)
-    for i, (mine, reference) in enumerate(zip(tokens, _reference_tokens(tuple(config.items()),
-                                                                         tuple(map(tuple, prompts)), n))):
-        expect(mine == reference, f"request {i} generated {mine} with your allocator but {reference} with kvlib's; "
-                                  f"a block was reused while a sequence still held it")
-    for name, pool in zip(("device", "host"), pools):
-        owned = [b for b in range(pool.num_blocks) if pool.ref_count(b)]
-        expected = cached if name == "device" else 0
-        expect(len(owned) == expected and pool.num_free == pool.num_blocks - expected,
-               f"after every request finished, the {name} pool has {pool.num_free} of {pool.num_blocks} blocks free "
-               f"and {len(owned)} still owned; expected {expected} owned (the prefix cache's own)")
-
-
-@cache
-def _reference_tokens(config: tuple, prompts: tuple, n: int) -> tuple:
-    return tuple(_serve(BlockAllocator, config, prompts, n)[0])
-
-
-def _serve(make_allocator, config: tuple, prompts: tuple, n: int) -> tuple[list, list, int]:
+def _serve(make_allocator, config: dict, prompts: list, n: int) -> dict:
     """Serve ``prompts`` step by step with ``make_allocator`` for both pools, checking bookkeeping after each step."""
     from kvlib import LLM, EngineConfig, SamplingParams
 
@@ -273,9 +233,13 @@ def _serve(make_allocator, config: tuple, prompts: tuple, n: int) -> tuple[list,
         pools.append(make_allocator(num_blocks))
         return pools[-1]
 
-    llm = LLM("default", EngineConfig(**dict(config)), allocator=tracked, verbose=False)
-    outputs = serve_checked(llm, [list(p) for p in prompts], SamplingParams(max_tokens=MAX_TOKENS, n=n), MAX_STEPS)
-    rejected = [f"request {i}: {out.error}" for i, out in enumerate(outputs) if out.error]
-    expect(not rejected, f"the engine rejected requests: {'; '.join(rejected)}")
+    llm = LLM("default", EngineConfig(**config), allocator=tracked, verbose=False)
+    outputs = serve_checked(llm, prompts, SamplingParams(max_tokens=MAX_TOKENS, n=n), MAX_STEPS)
     cache = llm.engine.block_manager.cache
-    return [[s.token_ids for s in out.samples] for out in outputs], pools, cache.num_cached if cache else 0
+    seen = {"rejections": [out.error for out in outputs],
+            "tokens of each request's samples": [[s.token_ids for s in out.samples] for out in outputs],
+            "blocks the prefix cache holds at the end": cache.num_cached if cache else 0}
+    for name, pool in zip(("device", "host"), pools):
+        seen[f"{name} pool at the end: blocks owned, num_free"] = [
+            sum(1 for b in range(pool.num_blocks) if pool.ref_count(b)), pool.num_free]
+    return seen

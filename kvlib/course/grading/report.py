@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ class GradeReport:
     lab: str
     tasks: list[TaskResult]
     notes: list[str] = field(default_factory=list)  # what the learner should know about how it was graded
+    flags: list[str] = field(default_factory=list)  # for the instructor: code that repeats kvlib's own answer
 
     @property
     def points(self) -> int:
@@ -50,10 +52,21 @@ class GradeReport:
                 lines.append(f"  {task}/{check.name}: {reason}")
                 if check.hint and check.status == FAIL:
                     lines.append(f"    hint: {check.hint}")
-        if self.notes:
-            lines.append("\nnotes:")
-            lines += [f"  {note}" for note in self.notes]
+        for title, items in (("flagged for the instructor", self.flags), ("notes", self.notes)):
+            if items:
+                lines.append(f"\n{title}:")
+                lines += [f"  {item}" for item in items]
         return "\n".join(lines)
+
+    def gradescope(self) -> dict:
+        """Gradescope's ``results.json``: a test per check, with its score, maximum and what it said."""
+        tests = [{"name": f"{t.task}/{c.name}", "score": c.points, "max_score": c.max_points,
+                  "status": "passed" if c.status == "pass" else "failed",
+                  "output": "" if c.status == "pass" else (c.message if c.status == FAIL else f"{c.status}: {c.message}")
+                  + (f"\nhint: {c.hint}" if c.hint and c.status == FAIL else "")}
+                 for t in self.tasks for c in t.checks]
+        output = "\n".join([*(f"flagged: {f}" for f in self.flags), *self.notes])
+        return {"score": self.points, "output": output, "tests": tests}
 
 
 def write_gradebook(reports: list[GradeReport], path: str | Path) -> Path:
@@ -62,9 +75,14 @@ def write_gradebook(reports: list[GradeReport], path: str | Path) -> Path:
     tasks = list(dict.fromkeys(t.task for r in reports for t in r.tasks))
     with open(path, "w", newline="") as out:
         writer = csv.writer(out)
-        writer.writerow(["submission", "lab", *tasks, "total", "max", "failed checks", "notes"])
+        writer.writerow(["submission", "lab", *tasks, "total", "max", "failed checks", "flags", "notes"])
         for r in reports:
             points = {t.task: t.points for t in r.tasks}
             writer.writerow([r.notebook.name, r.lab, *(points.get(t, "") for t in tasks), r.points, r.max_points,
-                             "; ".join(sorted(r.failed_checks())), " | ".join(r.notes)])
+                             "; ".join(sorted(r.failed_checks())), " | ".join(r.flags), " | ".join(r.notes)])
+    return Path(path)
+
+
+def write_gradescope(report: GradeReport, path: str | Path) -> Path:
+    Path(path).write_text(json.dumps(report.gradescope(), indent=1) + "\n")
     return Path(path)

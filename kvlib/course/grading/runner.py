@@ -1,11 +1,12 @@
-"""``kvlib grade``: a lab notebook's score, computed where the notebook cannot reach.
+"""``kvlib grade``: a lab notebook's score, decided where the notebook cannot reach.
 
 The lab and its tasks come from the grader (the ``labNN`` in the file name, or ``--lab``), never
-from the notebook's metadata. No cell of the notebook runs: each task's definitions are
-extracted from the saved file (``extract.py``), refused if they reach kvlib's own implementation
-or around the grader, and otherwise graded check by check in a sandbox process
-(``sandbox.py``). A folder of submissions is graded in parallel, one sandbox each, into a CSV
-gradebook; one broken or hostile submission cannot stop or alter the others.
+from the notebook's metadata. No cell of the notebook runs: each task's definitions are extracted
+from the saved file (``extract.py``) and run in a sandbox process (``sandbox.py``) on a copy of
+kvlib without that task's answer. For every check the sandbox hands back an observation; this
+process runs the same scenario on kvlib's own piece, with the same fresh seed, and decides. A
+folder of submissions is graded in parallel into a gradebook written only once every sandbox is
+gone; one broken or hostile submission costs its own checks, within its own time budget.
 """
 from __future__ import annotations
 
@@ -13,17 +14,23 @@ import datetime
 import importlib
 import os
 import re
+import secrets
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from kvlib.course.grading.extract import code_cells, extract
+from kvlib.course.grading.checks import Check, Observed, Task, observe, verdict
+from kvlib.course.grading.extract import Statement, code_cells, extract, load
+from kvlib.course.grading.fingerprint import FLAG_AT, resemblance
+from kvlib.course.grading.hidden import hidden_source, hiding, stubbed_tree
 from kvlib.course.grading.report import GradeReport
-from kvlib.course.grading.results import NOT_ALLOWED, NOT_GRADED, TaskResult
-from kvlib.course.grading.sandbox import Limits, Sandbox
+from kvlib.course.grading.results import CRASHED, NOT_GRADED, TIMED_OUT, CheckResult, TaskResult
+from kvlib.course.grading.sandbox import NOT_ISOLATED, Crashed, Limits, Sandbox, isolation
 
 LAB_NAME = re.compile(r"lab\d\d")
 
@@ -37,43 +44,134 @@ def lab_of(path: str | Path) -> str:
     return match.group()
 
 
-def grade_notebook(path: str | Path, lab: Optional[str] = None, limits: Limits = Limits()) -> GradeReport:
+def tasks_of(lab: str) -> list[Task]:
+    return importlib.import_module(f"kvlib.course.grading.{lab}").TASKS
+
+
+def grade_notebook(path: str | Path, lab: Optional[str] = None, limits: Limits = Limits(),
+                   seed: Optional[int] = None) -> GradeReport:
     path = Path(path)
     lab = lab or lab_of(path)
-    tasks = grade_cells(lab, code_cells(path), limits)
+    graded = grade_cells(lab, code_cells(path), limits, seed=seed)
     saved = datetime.datetime.fromtimestamp(path.stat().st_mtime).strftime("%Y-%m-%d %H:%M:%S")
-    notes = [f"graded {path.name} as saved at {saved}: edits not saved to the file are not graded"]
-    return GradeReport(path, lab, tasks, notes)
+    notes = [f"graded {path.name} as saved at {saved}: edits not saved to the file are not graded", *graded.notes]
+    return GradeReport(path, lab, graded.tasks, notes, graded.flags)
 
 
-def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner=Sandbox) -> list[TaskResult]:
-    """Every task of ``lab`` on the learner's code cells, each check run by ``runner`` (a sandbox process)."""
-    tasks = importlib.import_module(f"kvlib.course.grading.{lab}").TASKS
+@dataclass
+class Graded:
+    tasks: list[TaskResult]
+    notes: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)  # resemblances to kvlib's own answer, for the instructor
+
+
+def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: type = Sandbox,
+                seed: Optional[int] = None) -> Graded:
+    """Every task of ``lab`` on the learner's code cells: observed by ``runner``, decided here."""
+    seed = secrets.randbelow(2**31) if seed is None else seed
+    deadline = time.monotonic() + limits.submission_s * limits.check_scale
     results: dict[str, TaskResult] = {}
-    runnable, statements = [], {}
-    for task in tasks:
-        extracted = extract(cells, task.rules)
-        if extracted.violations:
-            results[task.name] = task.zero(NOT_ALLOWED, "; ".join(extracted.violations))
+    groups: dict[tuple, list[tuple[Task, list[Statement]]]] = {}
+    flags = []
+    for task in tasks_of(lab):
+        extracted = extract(cells, task.needs)
+        if extracted.problems:
+            results[task.name] = task.zero(NOT_GRADED, "; ".join(extracted.problems))
             continue
-        runnable.append(task)
-        statements.update(((s.cell, s.first_line), s) for s in extracted.statements)
-    with runner(lab, [statements[k] for k in sorted(statements)], limits) as sandbox:
-        for task in runnable:
-            results[task.name] = TaskResult(task.name, [sandbox.run(task.name, c.name, c.points, c.limit_s)
-                                                        for c in task.checks])
-    return [results[t.name] for t in tasks]
+        groups.setdefault(task.hidden, []).append((task, extracted.statements))
+        flags += _resemblances(task, extracted.statements)
+    for hidden, tasks in groups.items():
+        statements = _union(s for _, kept in tasks for s in kept)
+        with runner(lab, statements, stubbed_tree(hidden), limits) as sandbox:
+            for task, _ in tasks:
+                results[task.name] = TaskResult(task.name, [_grade_check(sandbox, lab, task, check, seed, limits,
+                                                                         deadline) for check in task.checks])
+    notes = [NOT_ISOLATED.format(why=isolation())] if runner is Sandbox and isolation() else []
+    return Graded([results[t.name] for t in tasks_of(lab)], notes, flags)
+
+
+def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limits: Limits, deadline: float) -> CheckResult:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return CheckResult(check.name, check.points, TIMED_OUT,
+                           f"the submission's time budget ({limits.submission_s * limits.check_scale:g} s) ran out "
+                           f"before this check")
+    reference = reference_observation(lab, task.name, check.name, seed)
+    try:
+        yours = sandbox.observe(task.name, check.name, seed, min(check.limit_s * limits.check_scale, left))
+    except Crashed as exc:
+        status = TIMED_OUT if str(exc).startswith("still running") else CRASHED
+        return CheckResult(check.name, check.points, status, str(exc))
+    return verdict(check, yours, reference)
+
+
+_REFERENCES: dict[tuple, Observed] = {}
+_REFERENCE_LOCK = threading.Lock()
+
+
+def reference_observation(lab: str, task_name: str, check_name: str, seed: int) -> Observed:
+    """What kvlib's own piece shows in a check, computed in this process (once per seed)."""
+    key = (lab, task_name, check_name, seed)
+    with _REFERENCE_LOCK:
+        if key not in _REFERENCES:
+            task = next(t for t in tasks_of(lab) if t.name == task_name)
+            _REFERENCES[key] = observe(task.named(check_name), task.reference(), seed)
+        return _REFERENCES[key]
+
+
+def _union(statements) -> list[Statement]:
+    unique = {(s.cell, s.first_line): s for s in statements}
+    return [unique[k] for k in sorted(unique)]
+
+
+def _resemblances(task: Task, statements: list[Statement]) -> list[str]:
+    mine = "\n".join(s.source for s in statements)
+    flags = []
+    for entry, source in hidden_source(task.hidden).items():
+        share = resemblance(mine, source)
+        if share >= FLAG_AT:
+            flags.append(f"{task.name}: the code repeats {share:.0%} of kvlib's own {entry.split(':')[1]} "
+                         f"({entry.split(':')[0]}): look before accepting it")
+    return flags
+
+
+class InProcess:
+    """The sandbox's interface in this process, for trusted code only: the tests of the graders themselves.
+    kvlib's answers are hidden while the learner's code runs, as in the sandbox's copy of kvlib."""
+
+    def __init__(self, lab: str, statements: list[Statement], tree: Path, limits: Limits = Limits()):
+        self.tasks = {task.name: task for task in tasks_of(lab)}
+        self.startup_error: Optional[str] = None
+        try:
+            self.namespace = load(statements).__dict__  # trusted test code
+        except Exception as exc:  # noqa: BLE001 - the same report the sandbox gives
+            self.startup_error = f"your definitions raise {type(exc).__name__}: {exc} when they run"
+
+    def __enter__(self) -> "InProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def observe(self, task: str, check: str, seed: int, limit_s: float) -> Observed:
+        if self.startup_error is not None:
+            raise Crashed(self.startup_error)
+        graded = self.tasks[task]
+        with hiding(graded.hidden):
+            return observe(graded.named(check), graded.piece(self.namespace), seed)
 
 
 def grade_folder(folder: str | Path, lab: Optional[str] = None, jobs: int = 2,
-                 limits: Limits = Limits()) -> list[GradeReport]:
-    """Every ``*.ipynb`` in ``folder``, ``jobs`` at a time, in submission-name order."""
+                 limits: Limits = Limits(), seed: Optional[int] = None) -> list[GradeReport]:
+    """Every ``*.ipynb`` in ``folder``, ``jobs`` at a time, in submission-name order, all on one fresh seed
+    (so kvlib's own observations are computed once for the class)."""
     paths = sorted(Path(folder).glob("*.ipynb"))
+    seed = secrets.randbelow(2**31) if seed is None else seed
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(lambda p: _grade_one(p, lab, limits), paths))
+        return list(pool.map(lambda p: _grade_one(p, lab, limits, seed), paths))
 
 
-def _grade_one(path: Path, lab: Optional[str], limits: Limits) -> GradeReport:
+def _grade_one(path: Path, lab: Optional[str], limits: Limits, seed: int) -> GradeReport:
     """One submission's report, whatever is wrong with it: an unreadable one scores zero on every task
     of its lab, so its gradebook row has the same columns and maximum as the others."""
     try:
@@ -81,20 +179,20 @@ def _grade_one(path: Path, lab: Optional[str], limits: Limits) -> GradeReport:
     except ValueError as exc:
         return GradeReport(path, "?", [], [str(exc)])
     try:
-        return grade_notebook(path, lab, limits)
+        return grade_notebook(path, lab, limits, seed)
     except Exception as exc:  # noqa: BLE001 - an unreadable submission is reported, the others still grade
         why = f"{type(exc).__name__}: {exc}"
-        tasks = importlib.import_module(f"kvlib.course.grading.{lab}").TASKS
-        return GradeReport(path, lab, [task.zero(NOT_GRADED, why) for task in tasks], [f"could not be graded: {why}"])
+        return GradeReport(path, lab, [task.zero(NOT_GRADED, why) for task in tasks_of(lab)],
+                           [f"could not be graded: {why}"])
 
 
-def grade_here() -> None:
-    """From inside a lab notebook: grade the notebook you have open, as ``kvlib grade`` would.
+def grade_here(path: str | Path | None = None) -> None:
+    """From inside a lab notebook: grade the notebook you have open (or ``path``), as ``kvlib grade`` would.
 
     In Colab the open notebook is fetched from the browser; in Jupyter it is the file on disk, so
     unsaved edits are not graded, and a warning says so when cells ran after the last save.
     """
-    path = _open_notebook()
+    path = Path(path) if path is not None else _open_notebook()
     last_run = float(os.environ.get("KVLIB_LAST_CELL_RUN", "0"))
     if path.stat().st_mtime + 1 < last_run:
         print(f"warning: {path.name} on disk is older than the cells you ran since: save it (Ctrl+S) first, "
@@ -117,7 +215,8 @@ def _open_notebook() -> Path:
     session = os.environ.get("JPY_SESSION_NAME")
     if session and Path(session).is_file():
         return Path(session)
-    raise RuntimeError("cannot find this notebook's file: run `kvlib grade labs/labNN_topic.ipynb` in a terminal")
+    raise RuntimeError("cannot find this notebook's file (it is not open in Jupyter or Colab): pass it, "
+                       "grade_here('labs/lab02_allocator.ipynb'), or run `kvlib grade labs/labNN_topic.ipynb` in a terminal")
 
 
 def mark_cell_run() -> None:

@@ -1,42 +1,62 @@
-"""A process of its own for a learner's code and the checks that grade it.
+"""A process for a learner's code that holds no answer, owns no score and leaves nothing behind.
 
-The grader (``runner.py``) starts this module as a separate Python process, sends it the
-learner's extracted definitions, then asks for one check at a time over its standard input and
-reads one JSON line back per check. The process has a memory limit; the grader gives each check
-a time limit and, past it, kills the process and starts a fresh one for the next check, so a hang
-or a crash costs that check only. Nothing the learner's code does here can reach the grader's
-process, the score it assembles, or another submission.
+The grader (``runner.py``) starts this module for one group of a lab's tasks, on a copy of kvlib
+in which those tasks' answers are stubs (``hidden.stubbed_tree``). Where bubblewrap is installed
+the process runs in namespaces of its own: an unprivileged user, no network, a read-only view of
+the Python installation and that copy of kvlib only (not the real kvlib, the course's solutions or
+the grader's files), a private empty ``/tmp``, and its own process tree, which dies with it.
+Elsewhere it runs as a plain process on the stubbed copy, and the report says grading was not
+isolated.
+
+The process reads the learner's statements, then one check request at a time (a task, a check, a
+seed), and writes back one JSON line per check: an observation, or why there is none. The grader
+checks each reply's shape and compares the observation with its own reference; nothing a reply
+says is a score.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
-import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from kvlib.course.grading.checks import Observed, observe
 from kvlib.course.grading.extract import Statement, load
-from kvlib.course.grading.results import CRASHED, TIMED_OUT, CheckResult
+from kvlib.course.grading.hidden import PACKAGE
+from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED
 
 STARTUP_LIMIT_S = 120.0  # importing torch and kvlib, then defining the learner's names
+MAX_REPLY_BYTES = 8 * 2**20
+MAX_MESSAGE_CHARS = 2000
+IN_SANDBOX = "/grading"  # where the stubbed kvlib copy is seen inside an isolated sandbox
+NOT_ISOLATED = "grading without isolation ({why}): for practice, not for marks"
 
 
 @dataclass(frozen=True)
 class Limits:
     memory_bytes: Optional[int] = 8 * 2**30  # address space of the process running the checks
     check_scale: float = 1.0  # multiplies every check's own time limit (a slow machine, a loaded class run)
+    submission_s: float = 600.0  # wall-clock seconds all of one submission's checks may take, scaled too
+
+
+class Crashed(Exception):
+    """The sandbox process died, hung or answered something that is not a reply."""
 
 
 class Sandbox:
-    """One learner's definitions, loaded in a fresh process; ``run`` grades one check there."""
+    """The learner's definitions, loaded in a fresh isolated process on ``tree``; ``observe`` runs one check."""
 
-    def __init__(self, lab: str, statements: list[Statement], limits: Limits = Limits()):
-        self.lab, self.statements, self.limits = lab, statements, limits
+    def __init__(self, lab: str, statements: list[Statement], tree: Path, limits: Limits = Limits()):
+        self.lab, self.statements, self.tree, self.limits = lab, statements, tree, limits
         self.process: Optional[subprocess.Popen] = None
         self.startup_error: Optional[str] = None
 
@@ -46,95 +66,175 @@ class Sandbox:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def run(self, task: str, check: str, points: int, limit_s: float) -> CheckResult:
+    def observe(self, task: str, check: str, seed: int, limit_s: float) -> Observed:
+        """One check's observation; a crash, a hang or a malformed reply raises :class:`Crashed`."""
         if self.process is None:
             self._start()
         if self.startup_error is not None:
-            return CheckResult(check, points, CRASHED, self.startup_error)
+            raise Crashed(self.startup_error)
+        self._send({"task": task, "check": check, "seed": seed})
         try:
-            self._send({"task": task, "check": check})
-            reply = self._receive(limit_s * self.limits.check_scale)
+            return reply_to_observed(self._receive(limit_s))
         except TimeoutError:
             self.close()
-            return CheckResult(check, points, TIMED_OUT, f"still running after {limit_s * self.limits.check_scale:g} s; "
-                                                         f"look for a loop that never ends")
+            raise Crashed(f"still running after {limit_s:.3g} s; look for a loop that never ends") from None
         except EOFError:
             self.close()
-            return CheckResult(check, points, CRASHED, "the process running your code died (out of memory, or a "
-                                                       "hard crash) during this check")
-        return CheckResult(**reply)
+            raise Crashed("the process running your code died (out of memory, or a hard crash) during this check") \
+                from None
+        except ValueError as exc:
+            self.close()
+            raise Crashed(f"the process running your code sent something that is not a reply ({exc})") from None
 
     def close(self) -> None:
+        """Kill the process and every process it started (its own session, and its own PID namespace)."""
         if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
             self.process.kill()
             self.process.wait()
+            for stream in (self.process.stdin, self.process.stdout):
+                stream.close()
             self.process = None
 
     def _start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            p for p in (str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH")) if p)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvlib.course.grading.sandbox"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir(), env=env, text=True)
+        command, env = sandbox_command(self.tree)
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        env=env, start_new_session=True, cwd="/")
         self._send({"lab": self.lab, "memory_bytes": self.limits.memory_bytes,
                     "statements": [asdict(s) for s in self.statements]})
         try:
             reply = self._receive(STARTUP_LIMIT_S)
-        except (TimeoutError, EOFError):
+        except (TimeoutError, EOFError, ValueError):
             reply = {"error": "your definitions did not finish loading (a loop or a crash at definition time)"}
-        self.startup_error = reply.get("error")
+        self.startup_error = None if reply.get("ready") is True else str(reply.get("error", "no ready reply"))[
+            :MAX_MESSAGE_CHARS]
 
     def _send(self, message: dict) -> None:
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write((json.dumps(message) + "\n").encode())
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # the process is gone; the reply that never comes says so
 
     def _receive(self, limit_s: float) -> dict:
-        ready, _, _ = select.select([self.process.stdout], [], [], limit_s)
-        if not ready:
-            raise TimeoutError
-        line = self.process.stdout.readline()
-        if not line:
-            raise EOFError
-        return json.loads(line)
+        deadline = time.monotonic() + limit_s
+        line = b""
+        stdout = self.process.stdout
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([stdout], [], [], max(0.0, left))
+            if not ready:
+                raise TimeoutError
+            chunk = os.read(stdout.fileno(), 1 << 16)
+            if not chunk:
+                raise EOFError
+            line += chunk
+            if len(line) > MAX_REPLY_BYTES:
+                raise ValueError(f"a reply over {MAX_REPLY_BYTES} bytes")
+        if line.count(b"\n") > 1:
+            raise ValueError("more than one reply to one request")
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise ValueError("a reply that is not an object")
+        return reply
 
 
-class InProcess:
-    """The same interface in this process, for trusted code only: the tests of the graders themselves."""
-
-    def __init__(self, lab: str, statements: list[Statement], limits: Limits = Limits()):
-        self.tasks = {task.name: task for task in importlib.import_module(f"kvlib.course.grading.{lab}").TASKS}
-        self.namespace: dict = {"__name__": "learner"}
-        self.startup_error: Optional[str] = None
-        try:
-            load(statements, self.namespace)  # trusted test code
-        except Exception as exc:  # noqa: BLE001 - the same report the sandbox gives
-            self.startup_error = f"your definitions raise {type(exc).__name__}: {exc} when they run"
-
-    def __enter__(self) -> "InProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def run(self, task: str, check: str, points: int, limit_s: float) -> CheckResult:
-        if self.startup_error is not None:
-            return CheckResult(check, points, CRASHED, self.startup_error)
-        graded = self.tasks[task]
-        return graded.run_check(next(c for c in graded.checks if c.name == check), graded.piece(self.namespace))
+def reply_to_observed(reply: dict) -> Observed:
+    """A check's reply, shape-checked: exactly a status, and an observation or a message."""
+    status = reply.get("status")
+    if status == "observed" and set(reply) == {"status", "observation"}:
+        return Observed("observed", reply["observation"])
+    if status in (FAIL, NOT_IMPLEMENTED) and set(reply) == {"status", "message"} and isinstance(reply["message"], str):
+        return Observed(status, message=reply["message"][:MAX_MESSAGE_CHARS])
+    raise ValueError(f"keys {sorted(reply)}, status {status!r}")
 
 
+# ---- isolation ----------------------------------------------------------------------------------
+@functools.cache
+def isolation() -> Optional[str]:
+    """None when sandboxes run isolated (bubblewrap works here), else why not."""
+    if os.environ.get("KVLIB_GRADING_NO_ISOLATION"):
+        return "KVLIB_GRADING_NO_ISOLATION is set"
+    if sys.platform != "linux":
+        return f"{sys.platform} has no Linux namespaces"
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed"
+    probe = subprocess.run([*_bwrap_arguments(PACKAGE.parent), "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"bubblewrap cannot make namespaces here: {probe.stderr.strip()[:200]}"
+    return None
+
+
+def sandbox_command(tree: Path) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a sandbox process on ``tree``."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+           "MPLCONFIGDIR": "/tmp", "TRITON_CACHE_DIR": "/tmp/triton", "LANG": "C.UTF-8"}
+    env.update({k: v for k, v in os.environ.items()
+                if k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES",
+                         "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")})
+    python = [sys.executable, "-s", "-m", "kvlib.course.grading.sandbox"]
+    if isolation() is None:
+        env["PYTHONPATH"] = IN_SANDBOX
+        return [*_bwrap_arguments(tree), *python], env
+    env["PYTHONPATH"] = str(tree)
+    env["HOME"] = env["TMPDIR"] = env["MPLCONFIGDIR"] = str(tree)
+    env["TRITON_CACHE_DIR"] = str(tree / ".triton")
+    return python, env
+
+
+def _bwrap_arguments(tree: Path) -> list[str]:
+    """Namespaces and a read-only view of this Python and ``tree`` (seen at /grading), nothing else of the disk."""
+    args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
+    for system in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives", "/etc/ld.so.cache",
+                   "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/localtime", "/sys"):
+        if os.path.exists(system):
+            args += ["--ro-bind", system, system]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    for device in sorted(Path("/dev").glob("nvidia*")):
+        args += ["--dev-bind", str(device), str(device)]
+    for root in _python_roots():
+        args += ["--ro-bind", root, root]
+    real_kvlib = str(PACKAGE)
+    if any(real_kvlib == root or real_kvlib.startswith(root.rstrip("/") + "/") for root in _python_roots()):
+        args += ["--ro-bind", str(tree / "kvlib"), real_kvlib]  # an installed kvlib is seen as the stubbed copy
+    args += ["--ro-bind", str(tree), IN_SANDBOX, "--chdir", "/tmp", "--"]
+    return args
+
+
+def _python_roots() -> list[str]:
+    """The folders this interpreter and its packages live in, outermost first, never kvlib's own checkout
+    (where the course's solutions and tests are) nor the working directory."""
+    candidates = {sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    candidates |= {p for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p)}
+    checkout = PACKAGE.parent
+    installed = checkout.name in ("site-packages", "dist-packages")  # a wheel's kvlib: overlaid, see above
+    roots = sorted({os.path.realpath(p) for p in candidates} | candidates, key=len)
+    kept: list[str] = []
+    for root in roots:
+        inside_checkout = not installed and (Path(root) == checkout or checkout in Path(root).parents)
+        if inside_checkout or root in ("/", "/tmp") or any(root.startswith(k.rstrip("/") + "/") for k in kept):
+            continue
+        kept.append(root)
+    return kept
+
+
+# ---- the process side ---------------------------------------------------------------------------
 def _serve() -> None:
-    """The process side: load the learner's code, then answer one check per request."""
+    """Load the learner's code, then answer one check per request with its observation."""
     replies = os.fdopen(os.dup(1), "w")
-    sys.stdout = sys.stderr  # the learner's prints must not reach the replies
+    os.dup2(2, 1)  # the learner's prints, from Python or a C library, must not reach the replies
+    sys.stdout = sys.stderr
     setup = json.loads(sys.stdin.readline())
     if setup["memory_bytes"]:
         import resource
         resource.setrlimit(resource.RLIMIT_AS, (setup["memory_bytes"], setup["memory_bytes"]))
     lab = importlib.import_module(f"kvlib.course.grading.{setup['lab']}")
-    namespace: dict = {"__name__": "learner"}
     try:
-        load([Statement(**statement) for statement in setup["statements"]], namespace)
+        namespace = load([Statement(**statement) for statement in setup["statements"]]).__dict__
     except BaseException as exc:  # noqa: BLE001 - reported as the reason every check of this submission fails
         replies.write(json.dumps({"error": f"your definitions raise {type(exc).__name__}: {exc} when they run"}) + "\n")
         replies.flush()
@@ -145,9 +245,14 @@ def _serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         task = tasks[request["task"]]
-        check = next(c for c in task.checks if c.name == request["check"])
-        result = task.run_check(check, task.piece(namespace))
-        replies.write(json.dumps(asdict(result)) + "\n")
+        observed = observe(task.named(request["check"]), task.piece(namespace), request["seed"])
+        reply = {"status": observed.status, "observation": observed.observation} if observed.status == "observed" \
+            else {"status": observed.status, "message": observed.message}
+        try:
+            text = json.dumps(reply, allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            text = json.dumps({"status": FAIL, "message": f"the check's observation cannot be sent: {exc}"})
+        replies.write(text + "\n")
         replies.flush()
 
 
