@@ -1,31 +1,48 @@
-"""Lab 05 grading: the engine checks catch what bookkeeping cannot, and kvlib's own sharing is refused.
+"""Lab 05 grading: the engine checks catch what bookkeeping cannot, and kvlib's own sharing is hidden.
 
 The realistic bugs are test data in ``tests/lab_bugs/lab05.py`` (``test_labs_graded.py`` grades them).
-Here: a missing copy is caught by the tokens and the copy count while every reference count stays
-right; freeing a shared block for everyone is caught by the invariants right after the first write;
-importing kvlib's ``BlockSharing`` scores zero; two notebooks graded the way ``kvlib grade`` runs them.
+Here: a correct sharing written from scratch gets full marks on several seeds; a missing copy is
+caught by the tokens and the copy count while every reference count stays right; freeing a shared
+block for everyone is caught by the invariants right after the first write; leaning on kvlib's
+``BlockSharing`` gets "not implemented"; the solution graded the way ``kvlib grade`` runs it.
 """
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
-import pytest
-
 from kvlib.course.grading import grade_notebook, lab05
-from kvlib.course.grading.extract import extract
+from kvlib.course.grading.checks import observe, verdict
+from kvlib.course.grading.hidden import hiding
+from kvlib.course.grading.results import NOT_IMPLEMENTED
 from kvlib.sharing import BlockSharing
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab05_sharing.ipynb"
-LAB = ROOT / "labs" / "lab05_sharing.ipynb"
 
 
-class NeverCopies(BlockSharing):
+class Correct:
+    def fork(self, allocator, blocks):
+        child = []
+        for block in blocks:
+            allocator.fork(block)
+            child.append(block)
+        return child
+
+    def make_writable(self, allocator, blocks, index, take_block):
+        if allocator.ref_count(blocks[index]) < 2:
+            return None
+        old, blocks[index] = blocks[index], take_block()
+        allocator.free(old)
+        return old, blocks[index]
+
+
+class NeverCopies(Correct):
     def make_writable(self, allocator, blocks, index, take_block):
         return None
 
 
-class FreesForEveryone(BlockSharing):
+class FreesForEveryone(Correct):
     def make_writable(self, allocator, blocks, index, take_block):
         old = blocks[index]
         if allocator.ref_count(old) == 1:
@@ -37,47 +54,55 @@ class FreesForEveryone(BlockSharing):
         return old, new
 
 
-def test_kvlibs_own_sharing_gets_full_marks():
-    for check in (lab05.check_fork, lab05.check_copy_on_write, lab05.check_engine):
-        assert check(BlockSharing).full_marks
+class LeansOnKvlib(BlockSharing):
+    def fork(self, allocator, blocks):
+        return super().fork(allocator, blocks)
+
+
+def _grade(task, piece, seed):
+    results = []
+    for check in task.checks:
+        reference = observe(check, task.reference(), seed)
+        with hiding(task.hidden):
+            results.append(verdict(check, observe(check, piece, seed), reference))
+    return results
+
+
+def test_a_correct_sharing_gets_full_marks_on_any_seed():
+    for seed in (1, 7):
+        for task in (lab05.fork, lab05.copy_on_write):
+            assert all(r.status == "pass" for r in _grade(task, Correct, seed)), (seed, task.name)
+    assert lab05.check_engine(Correct).full_marks
+
+
+def test_the_inputs_vary_with_the_seed():
+    check = lab05.fork.named("same_blocks")
+    seen = {str(check.scenario(BlockSharing, random.Random(seed))) for seed in range(5)}
+    assert len(seen) > 1
 
 
 def test_a_missing_copy_is_caught_by_outputs_and_copy_counts_not_by_bookkeeping():
     result = lab05.check_engine(NeverCopies)
     messages = {c.name: c.message for c in result.failed}
-    assert "made 0 copy-on-write copies" in messages["greedy_samples"]
-    assert "a separate request drawing" in messages["seeded_samples"]
-    assert "with prefix caching" in messages["with_prefix_caching"]
+    assert set(messages) >= {"greedy_samples", "seeded_samples", "with_prefix_caching"}
+    assert "copy-on-write copies: yours is 0" in messages["greedy_samples"]
+    assert "tokens of each request's samples" in messages["seeded_samples"]
     assert not any("engine step" in m for m in messages.values())  # reference counts stay right
 
 
 def test_freeing_for_everyone_is_caught_by_the_invariants_after_the_first_write():
     result = lab05.check_engine(FreesForEveryone)
-    messages = [c.message for c in result.failed if c.name != "with_prefix_caching"]
-    assert messages and all("after engine step 2: device block" in m for m in messages)
+    messages = {c.name: c.message for c in result.failed}
+    assert len(messages) == 4
+    assert all("after engine step 2: device block" in messages[name] for name in ("greedy_samples", "seeded_samples"))
 
 
-@pytest.mark.parametrize("source", [
-    "from kvlib.sharing import BlockSharing\nMyBlockSharing = BlockSharing",
-    "from kvlib.sharing import BlockSharing\n\nclass MyBlockSharing(BlockSharing):\n"
-    "    def fork(self, a, b):\n        return super().fork(a, b)\n    def make_writable(self, a, b, i, t):\n"
-    "        return None",
-])
-def test_kvlibs_own_sharing_is_refused(source):
-    violations = extract([source], lab05.RULES).violations
-    assert any("imports BlockSharing from kvlib.sharing" in v for v in violations), violations
+def test_leaning_on_kvlibs_own_sharing_is_not_implemented():
+    assert {c.status for c in lab05.check_fork(LeansOnKvlib).checks} == {NOT_IMPLEMENTED}
+    assert {c.status for c in lab05.check_copy_on_write(BlockSharing).checks} == {NOT_IMPLEMENTED}
 
 
-# ---- whole notebooks, as `kvlib grade` runs them -----------------------------------------------
-def test_the_solution_gets_full_marks():
-    report = grade_notebook(SOLUTION)
+def test_the_solution_gets_full_marks_in_the_sandbox():
+    report = grade_notebook(SOLUTION, seed=5)
     assert report.full_marks, report.table()
     assert [(t.task, t.points) for t in report.tasks] == [("fork", 5), ("copy_on_write", 8), ("engine", 9)]
-
-
-def test_the_untouched_lab_gets_zero_and_says_not_implemented():
-    report = grade_notebook(LAB)
-    assert report.points == 0 and report.max_points == 22
-    assert report.task("fork").failed_summary() == "not implemented: MyBlockSharing.fork"
-    assert report.task("copy_on_write").failed_summary() == "not implemented: MyBlockSharing.make_writable"
-    assert report.task("engine").failed_summary() == "not implemented: MyBlockSharing.fork"

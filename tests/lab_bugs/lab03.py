@@ -35,3 +35,19 @@ BUGS = [
           "            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)\n")],
         "kernel/one_sequence", "engine/long_contexts"),
 ]
+BUGS += [
+    bug("the running maximum starts at 0, not -inf",
+        [('        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)', "        m = tl.zeros([GROUP_PAD], tl.float32)")],
+        "kernel/scores_far_below_zero"),
+    bug("the last block holds context_len % block_size tokens (none when the context fills it)",
+        [("            valid = pos < context_len\n",
+          "            last = (context_len - 1) // BLOCK_SIZE\n"
+          "            valid = (pos // BLOCK_SIZE < last) | ((pos // BLOCK_SIZE == last) & (pos % BLOCK_SIZE < context_len % BLOCK_SIZE))\n")],
+        "kernel/exact_block_multiples", "kernel/shuffled_block_tables"),
+    bug("one position past the context is attended (pos <= context_len)",
+        [("            valid = pos < context_len\n", "            valid = pos <= context_len\n")],
+        "kernel/one_sequence", "kernel/lengths_mid_block", "kernel/exact_block_multiples", "engine/long_contexts"),
+    bug("every sequence reads the first sequence's context length",
+        [("        context_len = tl.load(context_lens_ptr + seq)\n", "        context_len = tl.load(context_lens_ptr)\n")],
+        "kernel/shuffled_block_tables", "kernel/lengths_mid_block", "engine/long_contexts"),
+]

@@ -7,7 +7,7 @@ BUGS = [
         "swap/swaps_out_the_tail", "engine/swaps_partial_tails_of_shared_sequences"),
     bug("new host blocks go after the ones already on the host", [
         ("        seq.host_blocks = hosts + seq.host_blocks", "        seq.host_blocks = seq.host_blocks + hosts")],
-        "swap/swaps_out_the_tail", "engine/swaps_partial_tails_of_shared_sequences"),
+        "swap/swaps_out_the_tail"),
     bug("the host blocks a swap-out writes are not held for the step", [
         ("            host = self.hold_host(self.cpu.allocate())  # this step's copy writes it\n",
          "            host = self.cpu.allocate()\n")],
@@ -49,4 +49,24 @@ BUGS = [
         ("        self.release(seq, len(seq.block_table) if count is None else count)\n",
          "        self.release(seq, count or 0)\n")],
         "drop/returns_the_computed_tokens_lost", "drop/keeps_shared_blocks", "engine/recomputes"),
+    bug("drop(seq) with count None keeps the first block (off by one)", [
+        ("        self.release(seq, len(seq.block_table) if count is None else count)\n",
+         "        self.release(seq, len(seq.block_table) - 1 if count is None else count)\n")],
+        "drop/returns_the_computed_tokens_lost", "drop/keeps_shared_blocks", "engine/recomputes"),
+    bug("host_blocks_needed counts only the full blocks (computed tokens // block_size)", [
+        ("        return sum(len(seq.block_table) if count is None else count for seq in seqs)\n",
+         "        return sum(seq.num_computed_tokens // self.block_size if count is None else count for seq in seqs)\n")],
+        "swap/counts_the_host_blocks_a_swap_needs"),
+    bug("host_blocks_needed also counts the blocks already on the host", [
+        ("        return sum(len(seq.block_table) if count is None else count for seq in seqs)\n",
+         "        return sum(len(seq.block_table) + len(seq.host_blocks) if count is None else count for seq in seqs)\n")],
+        "swap/counts_the_host_blocks_a_swap_needs"),
+    bug("drop frees the host copies but leaves them listed in seq.host_blocks", [
+        ("            self.free_host(host)\n        seq.host_blocks = []\n        self.release(",
+         "            self.free_host(host)\n        self.release(")],
+        "drop/lets_go_of_host_copies"),
+    bug("swap_in puts the blocks it brings back before the ones kept on the device", [
+        ("            seq.block_table.append(block)\n            self.hold_host(host)",
+         "            seq.block_table.blocks.insert(0, block)\n            self.hold_host(host)")],
+        "swap/swaps_in_in_table_order", "engine/swaps_partial_tails_of_shared_sequences"),
 ]

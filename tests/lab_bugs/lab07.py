@@ -30,3 +30,23 @@ BUGS = [
           "        if all(c.num_unique_tail_blocks < shortfall for c in others):\n")],
         "select_victim/requester_keeps_running", "engine/spares_the_requester"),
 ]
+BUGS += [
+    # the stated goal read as "take as little as possible" where nobody covers the shortfall alone
+    bug("nobody covers alone: the smallest tail first",
+        [("        return max(reversed(others), key=lambda c: c.num_unique_tail_blocks)\n",
+          "        return min(others, key=lambda c: c.num_unique_tail_blocks)\n")],
+        "select_victim/nobody_covers_alone"),
+    bug("nobody covers alone: the oldest giver",
+        [("        return max(reversed(others), key=lambda c: c.num_unique_tail_blocks)\n", "        return others[0]\n")],
+        "select_victim/nobody_covers_alone"),
+    bug("a tail of exactly the shortfall does not count as covering",
+        [(COVERING, "        covering = [c for c in others if c.num_unique_tail_blocks > shortfall]\n")],
+        "select_victim/newest_among_equals"),
+    bug("others whose tails add up to exactly the shortfall count as too few",
+        [("        if sum(c.num_unique_tail_blocks for c in others) < shortfall:\n",
+          "        if sum(c.num_unique_tail_blocks for c in others) <= shortfall:\n")],
+        "select_victim/requester_keeps_running"),
+    bug("the newest by arrival time: samples of one request tie and the first is taken",
+        [("            return covering[-1]", "            return max(covering, key=lambda c: c.arrival_time)")],
+        "select_victim/newest_among_equals"),
+]

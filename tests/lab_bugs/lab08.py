@@ -4,6 +4,10 @@ TIMED_CALL = ("    best = [math.inf] * len(fns)\n    for _ in range(rounds):\n  
               "            start = clock()\n            fn()\n            best[i] = min(best[i], clock() - start)\n")
 RECOMPUTE_PRICE = "        recompute = cost.recompute_seconds(context.num_tokens, context.batch_tokens)\n"
 HOST_ROOM = "        if context.host_free_blocks < context.num_host_blocks:\n"
+WARM_UP = "    for fn in fns:  # warm-up: allocations and cold caches, not timed\n        fn()\n"
+SWAP_PRICE = "        swap = cost.swap_seconds(context.num_host_blocks, context.block_bytes)\n"
+FORWARD_FIT = ("    known = np.array([[n, attention_pairs(n), 1.0] for n in victim_tokens], dtype=float)\n"
+               "    per_token, per_pair, call = (max(0.0, float(x)) for x in np.linalg.lstsq(known, added, rcond=None)[0])\n")
 
 BUGS = [
     bug("the mean of the rounds, not the best", [(TIMED_CALL, TIMED_CALL.replace("[math.inf]", "[0.0]").replace(
@@ -58,4 +62,22 @@ BUGS = [
     bug("host room left to the engine", [(HOST_ROOM + '            return "recompute"',
                                           '        if False:\n            return "recompute"')],
         "choose_mode/host_room", "engine/small_host_pool"),
+    # boundaries, wrong counts and ties
+    bug("the warm-up counted as one of the rounds", [(WARM_UP, ""), (TIMED_CALL, TIMED_CALL.replace(
+        "for _ in range(rounds):", "for r in range(rounds):").replace(
+        "            best[i] = min(best[i], clock() - start)\n",
+        "            if r:  # the first round warms up\n                best[i] = min(best[i], clock() - start)\n"))],
+        "measure/one_round"),
+    bug("the warm-up left out", [(WARM_UP, "")], "measure/one_round"),
+    bug("the attention call left out of the forward fit (no intercept)", [(FORWARD_FIT, FORWARD_FIT.replace(
+        "[[n, attention_pairs(n), 1.0]", "[[n, attention_pairs(n)]").replace(
+        "per_token, per_pair, call = (", "call, (per_token, per_pair) = 0.0, ("))],
+        "fit_recompute/attention_call"),
+    bug("a swap priced by every block, those already on the host too", [(SWAP_PRICE, SWAP_PRICE.replace(
+        "num_host_blocks", "num_blocks"))],
+        "choose_mode/priced_by_what_moves"),
+    bug("host room wants a block to spare", [(HOST_ROOM, HOST_ROOM.replace("<", "<="))], "choose_mode/host_room"),
+    bug("a tie swaps, the comparison turned around", [('return "swap" if swap < recompute else "recompute"',
+                                                       'return "recompute" if recompute < swap else "swap"')],
+        "choose_mode/tie_recomputes"),
 ]

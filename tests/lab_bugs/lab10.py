@@ -36,4 +36,19 @@ BUGS = [
     bug("iterating the tier yields names, not blocks", [
         ("        return iter(list(self._kept.values()))\n", "        return iter(list(self._kept))\n")],
         "tier/keeps_and_finds_blocks", "engine/copies_a_returning_conversation_back"),
+    bug("num_cached reads the host pool instead of the tier", [
+        ("        return len(self._kept)\n", "        return self.allocator.num_used\n")],
+        "tier/keeps_and_finds_blocks"),
+    bug("evict_one looks for blocks nobody references (count 0), not those only the tier holds (1)", [
+        ("            if self.allocator.ref_count(entry.block_id) == 1:  # more: a move of this step holds it\n",
+         "            if self.allocator.ref_count(entry.block_id) == 0:\n")],
+        "tier/evicts_the_least_recently_used", "tier/spares_held_blocks", "engine/evicts_under_pressure"),
+    bug("lookup makes the block the most recently used", [
+        ("        entry = self._kept.get(name)\n",
+         "        if name in self._kept:\n            self._kept[name] = self._kept.pop(name)\n        entry = self._kept.get(name)\n")],
+        "tier/evicts_the_least_recently_used"),
+    bug("evict_one gives up at the first held block instead of skipping it", [
+        ("                self.allocator.free(entry.block_id)\n                return True\n",
+         "                self.allocator.free(entry.block_id)\n                return True\n            return False\n")],
+        "tier/spares_held_blocks"),
 ]

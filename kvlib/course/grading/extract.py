@@ -1,10 +1,10 @@
 """Take a learner's definitions out of a lab notebook, and nothing else.
 
 The grader never runs the notebook. From its code cells it keeps the top-level ``def``, ``class``
-and ``import`` statements and plain ``NAME = value`` assignments, the last definition of each
-name winning as it would when the cells run top to bottom, and only those that the graded names
-need (their closure). Everything else, a check cell, a last cell that rewrites a file, an
-assignment that patches a module, is dropped unread.
+and ``import`` statements and plain ``NAME = value`` assignments that the graded names need (their
+closure), every definition of such a name in notebook order, so a later one wins as when the cells
+run top to bottom. Everything else, a check cell, a last cell that rewrites a file, an assignment
+that patches a module, is dropped unread.
 
 What is kept runs as a module of its own (``learner``, in ``sys.modules``), compiled with no
 ``__future__`` flags but its own, so dataclasses, enums and typing work as they do in the notebook.
@@ -81,9 +81,9 @@ def code_cells(path) -> list[str]:
 
 def extract(cells: list[str], needs: tuple[str, ...]) -> Extracted:
     """The closure of ``needs`` over the notebook's top-level definitions."""
-    statements: dict[str, ast.stmt] = {}
+    definitions: dict[str, list[ast.stmt]] = {}
     origin: dict[int, Statement] = {}
-    order: list[str] = []
+    in_order: list[ast.stmt] = []
     for number, source in enumerate(cells, 1):
         source = _without_magics(source)
         try:
@@ -95,21 +95,14 @@ def extract(cells: list[str], needs: tuple[str, ...]) -> Extracted:
         for statement in tree.body:
             first = min([statement.lineno] + [d.lineno for d in getattr(statement, "decorator_list", [])])
             origin[id(statement)] = Statement(number, first, "\n".join(lines[first - 1:statement.end_lineno]))
+            in_order.append(statement)
             for name in _defines(statement):
-                statements[name] = statement
-                if name in order:
-                    order.remove(name)
-                order.append(name)
-    missing = [n for n in needs if n not in statements]
+                definitions.setdefault(name, []).append(statement)
+    missing = [n for n in needs if n not in definitions]
     if missing:
         return Extracted([], set(), [f"the notebook defines no {', '.join(missing)}: keep the name the lab gives"])
-    kept = _closure(needs, statements)
-    ordered, seen = [], set()
-    for name in order:
-        statement = statements[name]
-        if name in kept and id(statement) not in seen:
-            seen.add(id(statement))
-            ordered.append(statement)
+    kept = _closure(needs, definitions)
+    ordered = [s for s in in_order if any(name in kept for name in _defines(s))]
     return Extracted([origin[id(s)] for s in ordered], kept)
 
 
@@ -130,14 +123,17 @@ def _defines(statement: ast.stmt) -> list[str]:
     return []  # expressions, attribute assignments, loops ...: not a definition, never graded
 
 
-def _closure(needs: tuple[str, ...], statements: dict[str, ast.stmt]) -> set[str]:
+def _closure(needs: tuple[str, ...], definitions: dict[str, list[ast.stmt]]) -> set[str]:
+    """Every name the graded names need; each definition of a name counts, since the cells run in order
+    and an earlier cell's class may read an import that a later cell repeats."""
     kept, todo = set(), list(needs)
     while todo:
         name = todo.pop()
-        if name in kept or name not in statements:
+        if name in kept or name not in definitions:
             continue
         kept.add(name)
-        todo.extend(_free_names(statements[name]))
+        for statement in definitions[name]:
+            todo.extend(_free_names(statement))
     return kept
 
 

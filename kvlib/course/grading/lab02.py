@@ -121,30 +121,32 @@ def watermark(cls, rng: random.Random) -> dict:
 @allocator.check(1, "after every allocate, fork and free: each block's ref_count equals its owners, "
                     "num_free counts the blocks nobody owns, and num_free + num_used == num_blocks")
 def random_workload(cls, rng: random.Random) -> dict:
-    runs = []
-    for _ in range(5):
+    runs = {}
+    for run in range(5):
         num_blocks = rng.randint(1, 24)
-        pool, owners, trace = cls(num_blocks), Counter(), []
+        pool, blocks, owners, trace = cls(num_blocks), {}, Counter(), []  # blocks and owners by allocation number
         for _ in range(200):
-            owned = sorted(b for b, count in owners.items() if count)
+            live = sorted(label for label, count in owners.items() if count)
             op = rng.choice(["allocate", "allocate", "fork", "free", "free"])
-            if op == "allocate" and len(owned) < num_blocks:
+            if op == "allocate" and len(live) < num_blocks:
                 block = pool.allocate()
-                trace.append(["allocate", 0 <= block < num_blocks and owners[block] == 0])
-                owners[block] += 1
-            elif op in ("fork", "free") and owned:
-                block = rng.choice(owned)
-                getattr(pool, op)(block)
-                owners[block] += 1 if op == "fork" else -1
-                trace.append([op, block])
+                trace.append(0 <= block < num_blocks and block not in {blocks[label] for label in live})
+                blocks[len(blocks)] = block
+                owners[len(blocks) - 1] = 1
+            elif op in ("fork", "free") and live:
+                label = rng.choice(live)
+                getattr(pool, op)(blocks[label])
+                owners[label] += 1 if op == "fork" else -1
             else:
                 continue
-            trace.append([[pool.ref_count(b) for b in range(num_blocks)], pool.num_free, pool.num_used])
-        for block in list(owners.elements()):
-            pool.free(block)
-        runs.append({"after each call: a fresh id, or the block; then every ref_count, num_free, num_used": trace,
-                     "num_free once every owner freed": pool.num_free})
-    return {f"workload {i}": run for i, run in enumerate(runs)}
+            live = sorted(label for label, count in owners.items() if count)
+            trace.append([[pool.ref_count(blocks[label]) for label in live], pool.num_free, pool.num_used])
+        for label in list(owners.elements()):
+            pool.free(blocks[label])
+        runs[f"workload {run}: after each call, a fresh id or not; the ref_count of each owned block, num_free, "
+             f"num_used"] = trace
+        runs[f"workload {run}: num_free once every owner freed"] = pool.num_free
+    return runs
 
 
 # ---- block table -------------------------------------------------------------------------------

@@ -1,373 +1,249 @@
-"""Lab 07 checks: the learner's victim choice, on candidate lists built by hand and inside the engine.
+"""Lab 07 checks: the learner's victim choice, on candidate lists drawn from the seed and inside the engine.
 
-The learner writes ``select_victim(candidates, shortfall)`` (``kvlib.interfaces.PreemptionPolicy``).
-The lab states the goal and the costs, not a rule, so the checks grade consequences:
-
-- by hand: small candidate lists where one choice is plainly cheaper under the stated costs (one
-  victim instead of two, a victim whose blocks are all shared frees nothing, the requester stalls
-  the oldest request); a failure says what the choice would cost;
-- in the engine: two workloads with partial preemption, parallel samples and long requests that
-  are prefilled in chunks while the pool is full, so a sequence is often short of several blocks
-  at once (one swaps, one recomputes with prefix caching and a shared system prompt). Every call
-  to ``select_victim`` is recorded with the candidates it was given. The calls that served one
-  sequence in one step form an *episode*; its outcome is how many victims it took and whether the
-  requester was stalled. The reference, :class:`kvlib.preemption.SparingPolicy`, is replayed on the
-  same first candidate list (the engine's loop is replayed exactly: each victim gives its unique
-  tail, at most the shortfall, and stays a candidate while it still holds a unique tail), so both
-  are judged on the same states. The whole run's blocks swapped and tokens recomputed are compared
-  with the reference's own run.
+The lab states goal and costs, not a rule: a choice passes when it costs no more than kvlib's SparingPolicy
+(hidden while grading) on the same candidates, in victims the engine's loop takes (:func:`replay`) and stalls;
+only ties (the newer; the later in the list when arrival times tie) are compared choice by choice. Candidates by
+hand, drawn from the seed, and the states the engine's default policy met; then the policy serves by itself.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
+from dataclasses import replace
 from functools import cache
+from typing import Any, Optional
 
 from kvlib.config import SamplingParams
-from kvlib.course.grading.checks import Task, expect
-from kvlib.course.grading.extract import Rules
-from kvlib.course.grading.results import TaskResult
+from kvlib.course.grading.checks import Task, expect, same
 from kvlib.course.grading.workloads import Arrival, serve_timed
-from kvlib.preemption import LatestArrivalPolicy, SparingPolicy, VictimCandidate
+from kvlib.preemption import LatestArrivalPolicy, VictimCandidate
 from kvlib.sequence import Sequence
 
-RULES = Rules(needs=("MyVictimPolicy",),
-              kvlib_imports={"kvlib.preemption": {"LatestArrivalPolicy", "VictimCandidate"}},
-              own_methods=("select_victim",))
-select_victim = Task("select_victim", RULES)
-engine = Task("engine", RULES)
+HIDDEN = ("kvlib.preemption:SparingPolicy",)
+
+
+def _reference():
+    from kvlib.preemption import SparingPolicy
+    return SparingPolicy
+
+
+select_victim = Task("select_victim", ("MyVictimPolicy",), HIDDEN, _reference)
+engine = Task("engine", ("MyVictimPolicy",), HIDDEN, _reference)
 TASKS = [select_victim, engine]
-
-ReferencePolicy = SparingPolicy  # replayed on the learner's own episodes; never shown to the learner's code
-
-
-def check_select_victim(policy_cls) -> TaskResult:
-    return select_victim.grade(policy_cls)
+check_select_victim, check_engine = select_victim.grade, engine.grade
 
 
-def check_engine(policy_cls) -> TaskResult:
-    return engine.grade(policy_cls)
+def at_most(ratio: float = 1.0, slack: int = 0):
+    """Counts (victims, stalls, blocks) up to ``ratio`` x kvlib's + ``slack``, lower ones too; the rest exactly."""
+    def compare(yours: Any, reference: Any, path: str = "") -> Optional[str]:
+        if isinstance(reference, dict) and isinstance(yours, dict):
+            return next((why for key, value in reference.items()
+                         if (why := compare(yours.get(key), value, f"{path}, {key}" if path else key))), None)
+        if isinstance(reference, list) and isinstance(yours, list) and len(yours) == len(reference):
+            return next((why for a, b in zip(yours, reference) if (why := compare(a, b, path))), None)
+        if isinstance(reference, (int, float)) and isinstance(yours, (int, float)):
+            allowed = int(ratio * reference) + slack
+            return None if yours <= allowed else f"{path}: yours is {yours}, kvlib's {reference} (allowed: {allowed})"
+        return same(yours, reference, path)
+    return compare
+
+
+no_costlier = at_most()
 
 
 # ---- by hand -----------------------------------------------------------------------------------
-def _candidate(name: str, arrival: float, unique: int, shared: int = 0, running: bool = True) -> VictimCandidate:
-    seq = Sequence(seq_id=1000 + ord(name[0]) + len(name), request_id=name, prompt_token_ids=[3],
-                   params=SamplingParams(), block_size=4, arrival_time=arrival)
-    return VictimCandidate(seq, name == "R", running, unique + shared, unique, shared)
-
-
-def _describe(c: VictimCandidate) -> str:
-    state = "the requester" if c.is_requester else ("running" if c.running else "paused")
-    return (f"{c.seq.request_id} ({state}, arrived {c.arrival_time:g}, {c.num_blocks} blocks: "
-            f"{c.num_unique_tail_blocks} unique tail, {c.num_shared_blocks} shared)")
-
-
-def _expect_choice(cls, candidates: list[VictimCandidate], shortfall: int, good: set[str], why: str) -> None:
-    chosen = cls().select_victim(list(candidates), shortfall)
-    expect(any(chosen is c for c in candidates),
-           f"select_victim returned {chosen!r}; it must return one of the VictimCandidate objects it was given")
-    expect(chosen.seq.request_id in good,
-           f"candidates [{'; '.join(map(_describe, candidates))}], shortfall {shortfall} block(s): you chose "
-           f"{chosen.seq.request_id}; {why}")
-
-
-@select_victim.check(2, "a victim gives at most its unique tail; one that leaves blocks missing means a second "
-                        "preemption right after it")
-def one_victim_when_one_suffices(cls) -> None:
-    _expect_choice(cls, [_candidate("R", 0, 2), _candidate("A", 1, 4), _candidate("B", 2, 1)], 3, {"A"},
-                   "B would give 1 of the 3 missing blocks and the engine would preempt a second victim; A alone "
-                   "gives all 3")
-    _expect_choice(cls, [_candidate("R", 0, 1), _candidate("H", 1, 3, running=False), _candidate("B", 2, 2)], 3,
-                   {"H"}, "paused H still holds a 3-block unique tail and covers the shortfall alone; B leaves one "
-                          "block missing")
-
-
-@select_victim.check(1, "a block that another sequence also holds is not freed when one of its holders lets go: "
-                        "count only what a victim can actually give")
-def shared_blocks_free_nothing(cls) -> None:
-    _expect_choice(cls, [_candidate("R", 0, 1), _candidate("A", 1, 3), _candidate("B", 2, 1, shared=6)], 3, {"A"},
-                   "B holds 7 blocks but 6 are shared with other samples: it would free 1, and a second victim "
-                   "would follow; A frees 3")
-    _expect_choice(cls, [_candidate("R", 0, 3), _candidate("A", 1, 2), _candidate("B", 2, 0, shared=4)], 1, {"A"},
-                   "all of B's blocks are shared, so preempting B stalls it and frees nothing")
-    _expect_choice(cls, [_candidate("R", 0, 1), _candidate("A", 1, 2), _candidate("B", 2, 1, shared=6),
-                         _candidate("C", 3, 2)], 4, {"A", "C"},
-                   "nobody covers the 4 blocks alone; A and C give 2 each, so two victims suffice, while B, the "
-                   "largest table, frees only 1 of its 7 blocks and would make it three")
-
-
-@select_victim.check(2, "the requester is the oldest running request and choosing it stalls it: take it only when "
-                        "the others cannot make room; it is the candidate with is_requester, not the first in the "
-                        "list")
-def requester_keeps_running(cls) -> None:
-    _expect_choice(cls, [_candidate("R", 0, 5), _candidate("A", 1, 2), _candidate("B", 2, 2)], 3, {"A", "B"},
-                   "A and B together give the 3 blocks, so the requester R, the oldest request, can keep running")
-    _expect_choice(cls, [_candidate("H", 0, 2, running=False), _candidate("R", 1, 3)], 1, {"H"},
-                   "R is the requester (is_requester); paused H is older but can give the block")
-    _expect_choice(cls, [_candidate("R", 0, 3)], 1, {"R"}, "R is the only candidate")
-
-
-@select_victim.check(1, "when two choices cost the same, take the newer: the oldest request must always make "
-                        "progress; the list is in arrival order, and samples of one request share an arrival time")
-def newest_among_equals(cls) -> None:
-    _expect_choice(cls, [_candidate("R", 0, 1), _candidate("A", 1, 2), _candidate("B", 2, 3)], 2, {"B"},
-                   "A and B each cover the 2 blocks alone, and B arrived later")
-    _expect_choice(cls, [_candidate("R", 0, 1), _candidate("A", 1, 2), _candidate("B", 1, 2)], 2, {"B"},
-                   "A and B are samples of one request (same arrival time) and cost the same; B comes later in "
-                   "the list, which is arrival order")
-
-
-# ---- in the engine -----------------------------------------------------------------------------
-def _tokens(seed: int, length: int) -> tuple[int, ...]:
-    return tuple((7 * seed + 3 * j + 1) % 250 + 3 for j in range(length))
-
-
-SYSTEM = tuple(range(100, 116))  # a 16-token system prompt the second workload's requests share
-
-
-def _arrivals(single_prompt: int, shared_prefix: tuple, long_prompt: int) -> list[Arrival]:
-    """Three single requests, then three of 3 samples (they share their prompt's blocks), decoding 32 tokens
-    each; then three long requests that arrived before all of them (queued upstream) join at steps 6, 14 and
-    22. Being the oldest, each is prefilled first, 32 tokens (8 blocks) a step, while the pool is full."""
-    decoding = SamplingParams(max_tokens=32, ignore_eos=True)
-    out = [Arrival(0, shared_prefix + _tokens(i, single_prompt), decoding, 100.0 + i, f"single-{i}") for i in range(3)]
-    out += [Arrival(0, _tokens(i, 28), SamplingParams(max_tokens=32, n=3, ignore_eos=True), 100.0 + i, f"samples-{i}")
-            for i in range(3, 6)]
-    out += [Arrival(step, shared_prefix + _tokens(50 + k, long_prompt), SamplingParams(max_tokens=2, ignore_eos=True),
-                    float(k), f"long-{k}") for k, step in enumerate((6, 14, 22))]
+def _candidates(rng: random.Random, spec: str, tails: list, shared: Optional[list] = None) -> list[VictimCandidate]:
+    """One candidate per letter of ``spec`` in arrival order: R the requester, r running, p paused, and
+    = a sample of the previous request (same request, same arrival time). Names and times are drawn."""
+    out, time, names = [], rng.uniform(0, 50), rng.sample(range(100, 999), len(spec))
+    for i, kind in enumerate(spec):
+        tie = kind == "="
+        time += 0 if tie else round(rng.uniform(0.1, 9), 3)
+        name, index = (out[-1].seq.request_id, out[-1].seq.sample_index + 1) if tie else (f"req-{names[i]}", 0)
+        seq = Sequence(seq_id=names[i], request_id=name, prompt_token_ids=[3], params=SamplingParams(n=1 + tie),
+                       block_size=4, arrival_time=time, sample_index=index)
+        held = (shared or [0] * len(spec))[i]
+        out.append(VictimCandidate(seq, kind == "R", kind != "p", tails[i] + held, tails[i], held))
     return out
 
 
-@dataclass(eq=False)  # one object per workload: the caches key on it
-class Workload:
-    name: str
-    config: tuple  # EngineConfig fields
-    arrivals: tuple[Arrival, ...]
-    work: str  # "swapped" or "recomputed": what this workload's preemptions cost
+def _name(c: VictimCandidate) -> str:
+    return f"{c.seq.request_id}{f' sample {c.seq.sample_index}' if c.seq.params.n > 1 else ''}"
 
 
-COMMON = dict(block_size=4, max_num_batched_tokens=32, num_cpu_blocks=256, partial_preemption=True, watermark=0.0,
-              device="cpu")
-WORKLOADS = (
-    Workload("swap", tuple(dict(COMMON, num_gpu_blocks=56, preemption_mode="swap").items()),
-             tuple(_arrivals(20, (), 96)), "swapped"),
-    Workload("prefix cache", tuple(dict(COMMON, num_gpu_blocks=64, preemption_mode="recompute",
-                                        enable_prefix_caching=True).items()),
-             tuple(_arrivals(8, SYSTEM, 80)), "recomputed"),
-)
-MAX_STEPS = 600
-
-
-class _Recorder(LatestArrivalPolicy):
-    """The engine's policy during a check: the learner's ``select_victim``, every call recorded."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-        self.step = 0
-        self.calls: list[tuple[int, int, list[VictimCandidate], VictimCandidate]] = []
-
-    def select_victim(self, candidates: list[VictimCandidate], shortfall: int) -> VictimCandidate:
-        given = [VictimCandidate(c.seq, c.is_requester, c.running, c.num_blocks, c.num_unique_tail_blocks,
-                                 c.num_shared_blocks) for c in candidates]
-        chosen = self.inner.select_victim(candidates, shortfall)
-        position = next((i for i, c in enumerate(candidates) if c is chosen), None)
-        if position is not None:
-            self.calls.append((self.step, shortfall, given, given[position]))
-        return chosen
-
-
-@dataclass
-class Episode:
-    """The calls that made room for one sequence in one engine step."""
-
-    step: int
-    shortfall: int
-    candidates: list[VictimCandidate]  # as the first call saw them
-    victims: list[VictimCandidate]  # the learner's, as each call saw them
-
-    @property
-    def requester_stalled(self) -> bool:
-        return self.victims[-1].is_requester
-
-
-@dataclass
-class Run:
-    tokens: list
-    episodes: list[Episode]
-    swapped: int
-    recomputed: int
-    preemptions: int
-    steps: int
-
-    def work(self, kind: str) -> int:
-        return self.swapped if kind == "swapped" else self.recomputed
+def _describe(candidates: list[VictimCandidate], shortfall: int) -> str:
+    return "; ".join(f"{_name(c)} ({'requester' if c.is_requester else 'running' if c.running else 'paused'}, "
+                     f"arrived {c.arrival_time:g}, {c.num_unique_tail_blocks} unique tail, {c.num_shared_blocks} "
+                     f"shared)" for c in candidates) + f"; shortfall {shortfall}"
 
 
 def replay(policy, candidates: list[VictimCandidate], shortfall: int) -> list[VictimCandidate]:
-    """The victims ``policy`` would take from ``candidates``, replaying the engine's loop with partial preemption."""
+    """The victims ``policy`` takes from ``candidates``, replaying the engine's loop with partial preemption."""
     candidates, victims = list(candidates), []
     while True:
         victim = policy.select_victim(list(candidates), shortfall)
+        index = next((i for i, c in enumerate(candidates) if c is victim), None)
+        expect(index is not None, f"select_victim returned {victim!r}; it must return one of the VictimCandidate "
+                                  f"objects it was given")
         victims.append(victim)
         if victim.is_requester or len(victims) > 64:
             return victims
         given = min(shortfall, victim.num_unique_tail_blocks) if victim.num_unique_tail_blocks else victim.num_blocks
-        shortfall -= given
-        index = next(i for i, c in enumerate(candidates) if c is victim)
-        left = victim.num_unique_tail_blocks - given
-        if left > 0:
-            candidates[index] = VictimCandidate(victim.seq, False, False, victim.num_blocks - given, left,
-                                                victim.num_shared_blocks)
-        else:
-            del candidates[index]
+        shortfall, left = shortfall - given, victim.num_unique_tail_blocks - given
+        candidates[index:index + 1] = [replace(victim, running=False, num_blocks=victim.num_blocks - given,
+                                               num_unique_tail_blocks=left)] if left > 0 else []
         if shortfall <= 0:
             return victims
 
 
-def _episodes(calls) -> list[Episode]:
-    episodes: dict[tuple[int, int], Episode] = {}
-    for step, shortfall, candidates, victim in calls:
-        requester = next(c for c in candidates if c.is_requester).seq
-        key = (step, id(requester))
-        if key not in episodes:
-            episodes[key] = Episode(step, shortfall, candidates, [])
-        episodes[key].victims.append(victim)
-    return list(episodes.values())
+def _cost_check(name: str, points: int, hint: str, shortfalls: tuple, cases) -> None:
+    """A check of what the choices cost on ``cases(rng, s)``: (spec, unique tails, shared, shortfall) each."""
+    def scenario(cls, rng: random.Random) -> dict:
+        drawn = [(_candidates(rng, *case[:3]), case[3]) for case in cases(rng, rng.randint(*shortfalls))]
+        return {f"[{_describe(c, s)}]: victims taken, requester stalled": [len(v), v[-1].is_requester]
+                for c, s in drawn for v in [replay(cls(), c, s)]}
+    scenario.__name__ = name
+    select_victim.check(points, hint, compare=no_costlier)(scenario)
 
 
-@cache
-def _run(policy_cls, workload: Workload) -> Run:
-    """Serve ``workload`` with ``policy_cls()`` choosing every victim, checking the bookkeeping after every step."""
+_cost_check("one_victim_when_one_suffices", 2, "a victim gives at most its unique tail; one that leaves blocks missing "
+            "means a second preemption right after it; a tail of exactly the shortfall covers it", (2, 6),
+            lambda r, s: [("Rrr", [r.randint(1, 4), s + r.randint(0, 3), s - 1], None, s),
+                          ("Rpr", [1, s, r.randint(1, s - 1)], None, s), ("Rrrr", [2, s, r.randrange(1, s), 1], 0, s)])
+_cost_check("shared_blocks_free_nothing", 1, "a block that another sequence also holds is not freed when one of its "
+            "holders lets go: count only what a victim can actually give", (3, 5),
+            lambda r, s: [("Rrr", [1, s, 1], [0, 0, r.randint(s, 8)], s), ("Rrr", [3, 2, 0], [0, 0, r.randint(2, 6)], 1),
+                          ("Rrrr", [1, 2, 1, 2], [0, 0, r.randint(5, 9), 0], 4)])
+_cost_check("nobody_covers_alone", 2, "when nobody covers the shortfall alone, take the largest unique tails first: "
+            "the fewest victims (the engine asks again after each one, with what is still missing)", (3, 6),
+            lambda r, s: [("Rrrrr", [1, 1, 1, 2, s], None, s + 2), ("Rrrrr", [2, 2, 2, 3, 3], None, 6),
+                          ("Rr=r", [1, 2, 2, s], None, s + 3)])
+_cost_check("requester_keeps_running", 2, "the requester is the oldest running request and choosing it stalls it: take "
+            "it only when the others cannot make room (their tails adding up to exactly the shortfall can); it is the "
+            "candidate with is_requester, not the first in the list", (3, 6),
+            lambda r, s: [("Rrr", [5, 2, s - 2], None, s), ("Rrr", [4, 1, s - 1], None, s),
+                          ("pR", [r.randint(1, 3), 3], None, 1), ("R", [3], None, 1), ("Rrr", [4, 1, s - 2], None, s)])
+
+
+@select_victim.check(1, "when two choices cost the same, take the newer: the oldest request must always make "
+                        "progress; the list is in arrival order, and samples of one request share an arrival time")
+def newest_among_equals(cls, rng: random.Random) -> dict:
+    s, seen = rng.randint(2, 5), {}
+    for candidates in (_candidates(rng, "Rrr", [1, s + rng.randint(0, 2), s + rng.randint(0, 2)]),
+                       _candidates(rng, "Rr=", [1, s, s]), _candidates(rng, "Rr==", [1, s + 1, s, s]),
+                       _candidates(rng, "Rrr", [1, s + rng.randint(1, 3), s])):
+        chosen = cls().select_victim(list(candidates), s)
+        seen[f"[{_describe(candidates, s)}]: your choice"] = next(
+            (_name(c) for c in candidates if c is chosen), f"not one of the candidates: {chosen!r}")
+    return seen
+
+
+# ---- in the engine -----------------------------------------------------------------------------
+COMMON = dict(block_size=4, max_num_batched_tokens=32, num_cpu_blocks=256, partial_preemption=True, watermark=0.0,
+              device="cpu")
+WORKLOADS = {"swap": (dict(COMMON, num_gpu_blocks=56, preemption_mode="swap"), 20, 0, 96),
+             "prefix cache": (dict(COMMON, num_gpu_blocks=64, preemption_mode="recompute",
+                                   enable_prefix_caching=True), 8, 16, 80)}
+MAX_STEPS = 600
+
+
+def _arrivals(workload: str, seed: int) -> list[Arrival]:
+    """Three single requests and three of 3 samples decoding 32 tokens; then three long requests that arrived
+    before them (queued upstream) join at steps 6, 14, 22 and are prefilled first, in a full pool."""
+    _, single, system_length, long = WORKLOADS[workload]
+    rng = random.Random(seed)
+    tokens = lambda n: tuple(rng.randrange(3, 253) for _ in range(n))  # noqa: E731
+    system, decoding = tokens(system_length), SamplingParams(max_tokens=32, ignore_eos=True)
+    return [Arrival(0, system + tokens(single), decoding, 100.0 + i, f"single-{i}") for i in range(3)] + [
+        Arrival(0, tokens(28), SamplingParams(max_tokens=32, n=3, ignore_eos=True), 100.0 + i, f"samples-{i}")
+        for i in range(3, 6)] + [Arrival(step, system + tokens(long), SamplingParams(max_tokens=2, ignore_eos=True),
+                          float(k), f"long-{k}") for k, step in enumerate((6, 14, 22))]
+
+
+class _Recorder(LatestArrivalPolicy):
+    def select_victim(self, candidates: list[VictimCandidate], shortfall: int) -> VictimCandidate:  # every call kept
+        self.calls.append((self.step, shortfall, [replace(c) for c in candidates]))
+        return self.inner.select_victim(candidates, shortfall)
+
+
+def _run(policy_cls, workload: str, seed: int) -> tuple[dict, list]:
+    """Serve a workload with ``policy_cls()`` choosing every victim: what it cost, and the first call of each
+    episode (the calls that made room for one sequence in one engine step)."""
     from kvlib import LLM, EngineConfig
-
-    recorder = _Recorder(policy_cls())
-    llm = LLM("default", EngineConfig(**dict(workload.config)), preemption_policy=recorder, verbose=False)
-    served = serve_timed(llm, list(workload.arrivals), MAX_STEPS,
+    recorder = _Recorder()
+    recorder.inner, recorder.step, recorder.calls = policy_cls(), 0, []
+    llm = LLM("default", EngineConfig(**WORKLOADS[workload][0]), preemption_policy=recorder, verbose=False)
+    served = serve_timed(llm, _arrivals(workload, seed), MAX_STEPS,
                          before_step=lambda step: setattr(recorder, "step", step))
-    m = llm.metrics
-    return Run([[s.token_ids for s in out.samples] for out in served.outputs], _episodes(recorder.calls),
-               m.num_swapped_out_blocks, m.num_recomputed_tokens, m.num_preemptions, served.num_steps)
+    episodes, m = {}, llm.metrics
+    for step, short, cands in recorder.calls:
+        episodes.setdefault((step, next(c.seq.seq_id for c in cands if c.is_requester)), (step, short, cands))
+    return ({"tokens of each request's samples": [[s.token_ids for s in out.samples] for out in served.outputs],
+             "blocks swapped out": m.num_swapped_out_blocks, "tokens recomputed": m.num_recomputed_tokens,
+             "preemptions": m.num_preemptions}, list(episodes.values()))
 
 
-@cache
-def _unpressured_tokens(workload: Workload) -> list:
-    from kvlib import LLM, EngineConfig
-    llm = LLM("default", EngineConfig(block_size=4, num_gpu_blocks=512, device="cpu"), verbose=False)
-    outs = llm.generate([list(a.prompt) for a in workload.arrivals], [a.params for a in workload.arrivals])
-    return [[s.token_ids for s in out.samples] for out in outs]
-
-
-def _name(c: VictimCandidate) -> str:
-    sample = f" sample {c.seq.sample_index}" if c.seq.params.n > 1 else ""
-    state = "" if c.running else ", paused"
-    return f"{c.seq.request_id}{sample} ({c.num_unique_tail_blocks} unique tail, {c.num_shared_blocks} shared{state})"
-
-
-def _victims(victims: list[VictimCandidate]) -> str:
-    if len(victims) == 1:
-        return f"1 victim, {_name(victims[0])}"
-    listed = ", ".join(map(_name, victims[:3])) + (", ..." if len(victims) > 3 else "")
-    return f"{len(victims)} victims ({listed})"
+_recorded = cache(lambda workload, seed: _run(LatestArrivalPolicy, workload, seed)[1])  # the default's episodes
 
 
 @engine.check(1, "pass the select_victim checks first; whatever you choose, every request must finish with the "
                  "tokens it gets in a pool with room, and you must return one of the candidates")
-def serves_every_request(cls) -> None:
-    for workload in WORKLOADS:
-        run = _run(cls, workload)
-        expect(run.preemptions > 0, f"the {workload.name} workload was meant to preempt but did not")
-        for i, (mine, expected) in enumerate(zip(run.tokens, _unpressured_tokens(workload))):
-            expect(mine == expected, f"{workload.name} workload, request {i}: {mine} with your policy, {expected} "
-                                     f"in a pool with room")
+def serves_every_request(cls, rng: random.Random) -> dict:
+    seed = rng.randrange(10**6)
+    return {w: _run(cls, w, seed)[0]["tokens of each request's samples"] for w in WORKLOADS}
 
 
 @engine.check(3, "a victim gives only its unique tail (shared blocks free nothing), at most the shortfall: when a "
                  "sequence is short of several blocks, a victim whose tail covers them all is one preemption "
-                 "instead of several")
-def covers_multi_block_shortfalls(cls) -> None:
+                 "instead of several", compare=no_costlier)
+def covers_multi_block_shortfalls(cls, rng: random.Random) -> dict:
+    seed, seen = rng.randrange(10**6), {}
     for workload in WORKLOADS:
-        episodes = [e for e in _run(cls, workload).episodes if e.shortfall > 1]
-        expect(episodes, f"the {workload.name} workload had no shortfall of several blocks with your policy")
-        reference = [replay(ReferencePolicy(), e.candidates, e.shortfall) for e in episodes]
-        mine, theirs = sum(len(e.victims) for e in episodes), sum(map(len, reference))
-        if mine > theirs:
-            episode, better = max(zip(episodes, reference), key=lambda pair: len(pair[0].victims) - len(pair[1]))
-            example = (f"e.g. at step {episode.step} a sequence was short of {episode.shortfall} blocks: you took "
-                       f"{_victims(episode.victims)}, where {_victims(better)} would do")
-            shared = [v for v in episode.victims if v.num_blocks >= episode.shortfall > v.num_unique_tail_blocks]
-            if shared:
-                example += (f"; {_name(shared[0])} holds {shared[0].num_blocks} blocks, but the shared ones free "
-                            f"nothing when it lets go")
-            expect(False, f"{workload.name} workload: {len(episodes)} shortfalls of several blocks cost {mine} "
-                          f"preemptions with your policy where {theirs} suffice on the same candidates; {example}")
+        for step, shortfall, candidates in (e for e in _recorded(workload, seed) if e[1] > 1):
+            victims = replay(cls(), candidates, shortfall)
+            seen[f"{workload} workload, step {step}, short of {shortfall} with {len(candidates)} candidates: "
+                 f"victims taken, requester stalled"] = [len(victims), victims[-1].is_requester]
+    return seen
 
 
 @engine.check(2, "choosing the requester stalls the oldest running request; do it only when the other candidates "
-                 "cannot make room (find it by is_requester)")
-def spares_the_requester(cls) -> None:
+                 "cannot make room (find it by is_requester)", compare=no_costlier)
+def spares_the_requester(cls, rng: random.Random) -> dict:
+    seed, seen = rng.randrange(10**6), {}
     for workload in WORKLOADS:
-        episodes = _run(cls, workload).episodes
-        needless = [e for e in episodes if e.requester_stalled
-                    and not replay(ReferencePolicy(), e.candidates, e.shortfall)[-1].is_requester]
-        if needless:
-            e = needless[0]
-            others = sorted((c for c in e.candidates if not c.is_requester), key=lambda c: -c.num_unique_tail_blocks)
-            listed = ", ".join(map(_name, others[:3])) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-            expect(False, f"{workload.name} workload: {len(needless)} of {len(episodes)} times you stalled the "
-                          f"requester when the other candidates could make room; e.g. at step {e.step} "
-                          f"{_name(e.candidates[[c.is_requester for c in e.candidates].index(True)])} was short of "
-                          f"{e.shortfall} block(s) and the others included {listed}")
+        episodes = _run(cls, workload, seed)[1]
+        seen[f"{workload} workload: shortfalls where you stalled the requester while the "
+             f"others' unique tails covered it"] = sum(
+            replay(cls(), c, s)[-1].is_requester and sum(x.num_unique_tail_blocks for x in c if not x.is_requester) >= s
+            for _, s, c in episodes)
+    return seen
 
 
 @engine.check(2, "every preemption moves blocks to the host and back or has them computed again; a choice that "
-                 "preempts more often, or the requester, does more of that work")
-def no_more_work(cls) -> None:
-    for workload in WORKLOADS:
-        mine, reference = _run(cls, workload), _run(ReferencePolicy, workload)
-        allowed = int(1.25 * reference.work(workload.work)) + 8
-        what = "blocks swapped out" if workload.work == "swapped" else "tokens recomputed"
-        expect(mine.work(workload.work) <= allowed,
-               f"{workload.name} workload: {mine.work(workload.work)} {what} and {mine.preemptions} preemptions with "
-               f"your policy; the reference policy needed {reference.work(workload.work)} and "
-               f"{reference.preemptions} (allowed: {allowed})")
+                 "preempts more often, or the requester, does more of that work", compare=at_most(1.25, 8))
+def no_more_work(cls, rng: random.Random) -> dict:
+    seed = rng.randrange(10**6)
+    costs = {w: _run(cls, w, seed)[0] for w in WORKLOADS}
+    return {"swap workload, blocks swapped out": costs["swap"]["blocks swapped out"],
+            "prefix cache workload, tokens recomputed": costs["prefix cache"]["tokens recomputed"]}
 
 
-def compare(policy_cls) -> None:
-    """Print what each engine workload cost with your policy, the reference and the engine's default."""
-    rows = []
-    for workload in WORKLOADS:
-        for name, cls in (("your policy", policy_cls), ("reference", ReferencePolicy),
-                          ("LatestArrivalPolicy", LatestArrivalPolicy)):
-            try:
-                run = _run(cls, workload)
-            except NotImplementedError as exc:
-                print(f"{name}: not implemented yet ({exc})")
-                continue
-            several = sum(len(e.victims) for e in run.episodes if e.shortfall > 1)
-            stalled = sum(e.requester_stalled for e in run.episodes)
-            rows.append((workload.name, name, run.preemptions, several, stalled, run.swapped, run.recomputed,
-                         run.steps))
-    print(f"{'workload':<14}{'policy':<21}{'preemptions':>12}{'in shortfalls > 1':>18}{'requester':>10}"
-          f"{'swapped':>9}{'recomputed':>11}{'steps':>7}")
-    for row in rows:
-        print(f"{row[0]:<14}{row[1]:<21}" + "".join(f"{v:>{w}}" for v, w in zip(row[2:], (12, 18, 10, 9, 11, 7))))
+def compare(policy_cls, seed: int = 0) -> None:
+    """Print what each engine workload cost with your policy, kvlib's and the engine's default."""
+    from kvlib.preemption import SparingPolicy
+    for workload, cls in ((w, c) for w in WORKLOADS for c in (policy_cls, SparingPolicy, LatestArrivalPolicy)):
+        try:
+            print(f"{workload:<14}{cls.__name__:<21}", {k: v for k, v in _run(cls, workload, seed)[0].items()
+                                                         if not k.startswith("tokens")})
+        except NotImplementedError as exc:
+            print(f"{cls.__name__}: not implemented yet ({exc})")
 
 
-def show_episodes(policy_cls=LatestArrivalPolicy, workload: str = "swap", count: int = 3,
-                  min_shortfall: int = 2) -> None:
-    """Print the first ``count`` episodes of a workload whose shortfall is at least ``min_shortfall``: the
-    candidates the engine passed (first call) and the victims ``policy_cls`` took, one call each."""
-    chosen = next(w for w in WORKLOADS if w.name == workload)
-    try:
-        run = _run(policy_cls, chosen)
-    except NotImplementedError as exc:
-        print(f"not implemented yet ({exc})")
-        return
-    shown = [e for e in run.episodes if e.shortfall >= min_shortfall][:count]
-    for e in shown:
-        print(f"step {e.step}: short of {e.shortfall} block(s); candidates, oldest first:")
-        for c in e.candidates:
-            mark = "requester" if c.is_requester else ("running" if c.running else "paused")
-            print(f"    {c.seq.request_id:<10} sample {c.seq.sample_index}  {mark:<9} {c.num_blocks:>3} blocks "
-                  f"{c.num_unique_tail_blocks:>3} unique tail {c.num_shared_blocks:>3} shared")
-        print(f"  {policy_cls.__name__} took {_victims(e.victims)}")
+def show_episodes(policy_cls=LatestArrivalPolicy, workload: str = "swap", count: int = 3, min_shortfall: int = 2,
+                  seed: int = 0) -> None:
+    """The first ``count`` shortfalls (of ``min_shortfall`` or more) the default policy met; who policy_cls takes."""
+    for step, shortfall, candidates in [e for e in _recorded(workload, seed) if e[1] >= min_shortfall][:count]:
+        try:
+            taken = ", ".join(map(_name, replay(policy_cls(), candidates, shortfall)))
+        except NotImplementedError as exc:
+            taken = f"not implemented yet ({exc})"
+        print(f"step {step}: {_describe(candidates, shortfall)}\n  {policy_cls.__name__} takes {taken}")

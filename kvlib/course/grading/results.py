@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 PASS = "pass"
 FAIL = "fail"
 NOT_IMPLEMENTED = "not implemented"
-NOT_ALLOWED = "not allowed"  # the code reaches kvlib's own implementation or around the grader
 TIMED_OUT = "timed out"
-CRASHED = "crashed"  # the process running the check died (out of memory, a hard crash)
-NOT_GRADED = "not graded"  # the submission could not be read, so no check ran
+CRASHED = "crashed"  # the process running the check died, hung at start-up or sent no valid reply
+NOT_GRADED = "not graded"  # the submission could not be read, or lacks a graded name, so no check ran
 
 
 @dataclass
