@@ -410,7 +410,7 @@ def test_the_sandbox_sees_no_network_no_checkout_and_a_private_tmp(tmp_path):
     marker.write_text("x")
     statements = extract([probe.format(root=str(ROOT / "solutions"), marker=str(marker))], ("MyBlockAllocator",)).statements
     from kvlib.course.grading import lab02
-    with Sandbox("lab02", statements, stubbed_tree(lab02.ALLOCATOR)) as sandbox:
+    with Sandbox("lab02", statements, lab02.ALLOCATOR) as sandbox:
         seen = sandbox.observe("allocator", "allocate_unique", 1, 60)
     assert seen.status == FAIL and "[65534, False, False, False, 'no net']" in seen.message, seen.message
 

@@ -1,12 +1,15 @@
 """Labs 04, 06 and 10 (a scheduler step, the preemption mechanisms, the host tier) grade as intended.
 
-``tests/test_labs_graded.py`` grades their solutions, untouched labs and realistic bugs. Here: a
-subclass seam cannot be turned into kvlib's own answer (``super()`` is refused when the notebook is
-read, naming the base class when the check runs), forged cells change nothing, kvlib's own pieces
-pass their own checks, and one notebook is graded end to end the way ``kvlib grade`` does.
+``tests/test_labs_graded.py`` grades their solutions, untouched labs and realistic bugs. Here: kvlib's
+own answer is hidden while a task runs (delegating to it, by name, through ``super()`` or by handing in
+kvlib's class, is "not implemented"), exactly the graded methods are stubbed in the sandbox's copy of
+kvlib, kvlib's own pieces pass their own checks, the scenarios exercise their rules on every seed, and
+one notebook is graded end to end the way ``kvlib grade`` does.
 """
 from __future__ import annotations
 
+import ast
+import random
 import types
 from pathlib import Path
 
@@ -17,113 +20,120 @@ from kvlib.cli.bench.driver import ModelFreeEngine
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig
 from kvlib.course.grading import grade_notebook, lab04, lab06, lab10
-from kvlib.course.grading.results import FAIL, NOT_ALLOWED, NOT_IMPLEMENTED, PASS
-from kvlib.course.grading.runner import grade_cells
-from kvlib.course.grading.sandbox import InProcess
+from kvlib.course.grading.hidden import module_file, stubbed_tree
+from kvlib.course.grading.results import NOT_IMPLEMENTED, PASS
+from kvlib.course.grading.runner import InProcess, grade_cells
 from kvlib.prefix_cache import HostPrefixTier
 from kvlib.scheduler import Scheduler
 from test_labs_graded import cells_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = {lab: next((ROOT / "solutions").glob(f"{lab}_*.ipynb")) for lab in ("lab04", "lab06", "lab10")}
-CLASS_LINE = "class MyScheduler(Scheduler):\n"  # lines of lab 04's solution that edits anchor on
-RUNNING_LINE = "    def schedule_running(self, out: SchedulerOutput, budget: int) -> int:\n"
-FIRST_SOLUTION_LINE = "        ### BEGIN SOLUTION\n        for seq in list(self.running):"
+FIRST_RUNNING_LINE = "        ### BEGIN SOLUTION\n        for seq in list(self.running):"
+FIRST_WAITING_LINE = "        ### BEGIN SOLUTION\n        line = sorted("
+FIRST_DROP_LINE = "        ### BEGIN SOLUTION\n        before = seq.num_computed_tokens"
+ORIGINALS = (Scheduler.schedule_running, Scheduler.schedule_waiting, BlockManager.drop, HostPrefixTier.evict_one)
 
 
 def _grade(lab: str, edits=(), extra=(), base: Path = None) -> dict:
     cells = cells_of(base or SOLUTIONS[lab], edits) + list(extra)
-    return {t.task: t for t in grade_cells(lab, cells, runner=InProcess)}
+    return {t.task: t for t in grade_cells(lab, cells, runner=InProcess, seed=1).tasks}
 
 
 def _statuses(task) -> set:
     return {c.status for c in task.checks}
 
 
+def _not_implemented(task, hidden: str) -> bool:
+    return task.points == 0 and _statuses(task) == {NOT_IMPLEMENTED} and all(hidden in c.message for c in task.checks)
+
+
 # ---- delegating to kvlib's own implementation scores zero --------------------------------------
-def test_a_scheduler_calling_kvlibs_step_by_name_scores_zero_for_that_method():
-    graded = _grade("lab04", [(FIRST_SOLUTION_LINE,
-                               "        return Scheduler.schedule_running(self, out, budget)\n" + FIRST_SOLUTION_LINE)])
-    for task in ("schedule_running", "engine"):  # refused when the notebook is read, before anything runs
-        assert graded[task].points == 0 and _statuses(graded[task]) == {NOT_ALLOWED}
-        assert all("calls kvlib's own Scheduler.schedule_running" in c.message for c in graded[task].checks)
-    assert graded["schedule_waiting"].full_marks  # its own method is still the learner's
-    assert Scheduler.schedule_running is lab04.REFERENCE_RUNNING  # the refusal ends with the check
-
-
-@pytest.mark.parametrize("keep, call", [
-    ((CLASS_LINE, CLASS_LINE + "    theirs = Scheduler.schedule_running\n"), "self.theirs(out, budget)"),
-    ((CLASS_LINE, "THEIRS = Scheduler.schedule_running\n\n\n" + CLASS_LINE), "THEIRS(self, out, budget)"),
-    ((RUNNING_LINE, RUNNING_LINE.replace("budget: int)", "budget: int, theirs=Scheduler.schedule_running)")),
-     "theirs(self, out, budget)"),
-], ids=["class attribute", "module name", "default argument"])
-def test_a_scheduler_keeping_kvlibs_step_from_before_the_check_scores_zero(keep, call):
-    graded = _grade("lab04", [keep, (FIRST_SOLUTION_LINE, f"        return {call}\n" + FIRST_SOLUTION_LINE)])
-    assert graded["schedule_running"].points == 0 and graded["engine"].points == 0
-    assert all("kvlib's own Scheduler.schedule_running" in c.message for c in graded["schedule_running"].checks)
-
-
-def test_a_scheduler_calling_super_is_refused_when_the_notebook_is_read():
-    graded = _grade("lab04", [("        ### BEGIN SOLUTION\n        line = sorted(",
-                               "        return super().schedule_waiting(out, budget)\n"
-                               "        ### BEGIN SOLUTION\n        line = sorted(")])
-    for task in ("schedule_waiting", "engine"):
-        assert graded[task].points == 0 and _statuses(graded[task]) == {NOT_ALLOWED}
-        assert "calls super().schedule_waiting" in graded[task].checks[0].message
+@pytest.mark.parametrize("first, call, hidden, graded, kept", [
+    (FIRST_RUNNING_LINE, "return Scheduler.schedule_running(self, out, budget)", "Scheduler.schedule_running",
+     ("schedule_running", "engine"), "schedule_waiting"),
+    (FIRST_WAITING_LINE, "return super().schedule_waiting(out, budget)", "Scheduler.schedule_waiting",
+     ("schedule_waiting", "engine"), "schedule_running"),
+], ids=["by name", "through super()"])
+def test_a_scheduler_delegating_one_method_scores_zero_for_it_only(first, call, hidden, graded, kept):
+    result = _grade("lab04", [(first, f"        {call}\n{first}")])
+    assert all(_not_implemented(result[task], hidden) for task in graded)
+    assert result[kept].full_marks  # kvlib's own other method runs beside it: only the graded one is hidden
+    assert (Scheduler.schedule_running, Scheduler.schedule_waiting) == ORIGINALS[:2]  # hidden only while it runs
 
 
 def test_a_block_manager_delegating_drop_scores_zero_for_drop_and_the_engine():
-    graded = _grade("lab06", [("        ### BEGIN SOLUTION\n        before = seq.num_computed_tokens",
-                               "        return BlockManager.drop(self, seq, count)\n"
-                               "        ### BEGIN SOLUTION\n        before = seq.num_computed_tokens")])
-    assert graded["drop"].points == 0 and graded["engine"].points == 0
-    assert graded["swap"].full_marks
-    assert BlockManager.drop is lab06.REFERENCE_DROP
+    result = _grade("lab06", [(FIRST_DROP_LINE, f"        return BlockManager.drop(self, seq, count)\n{FIRST_DROP_LINE}")])
+    assert _not_implemented(result["drop"], "BlockManager.drop") and result["engine"].points == 0
+    assert result["swap"].full_marks and BlockManager.drop is ORIGINALS[2]
 
 
-@pytest.mark.parametrize("edit", [
-    ("class MyHostTier:", "from kvlib.prefix_cache import HostPrefixTier\n\n\nclass MyHostTier(HostPrefixTier):"),
-    ("class MyHostTier:",
-     "from kvlib import prefix_cache\nMyHostTier = prefix_cache.HostPrefixTier\n\n\nclass Unused:"),
+@pytest.mark.parametrize("lab, cell", [
+    ("lab04", "from kvlib.scheduler import Scheduler as MyScheduler"),
+    ("lab06", "from kvlib.block_manager import BlockManager as MyBlockManager"),
+    ("lab10", "from kvlib.prefix_cache import HostPrefixTier\n\n\nclass MyHostTier(HostPrefixTier):\n    pass"),
+    ("lab10", "from kvlib import prefix_cache\nMyHostTier = prefix_cache.HostPrefixTier"),
 ])
-def test_a_host_tier_taken_from_kvlib_scores_zero(edit):
-    graded = _grade("lab10", [edit])
-    assert all(t.points == 0 and _statuses(t) == {NOT_ALLOWED} for t in graded.values())
+def test_kvlibs_own_class_handed_in_scores_zero(lab, cell):
+    result = _grade(lab, extra=[cell], base=ROOT / "labs" / SOLUTIONS[lab].name)
+    assert sum(t.points for t in result.values()) == 0
+    assert {s for t in result.values() for s in _statuses(t)} == {NOT_IMPLEMENTED}
+    assert HostPrefixTier.evict_one is ORIGINALS[3]
 
 
-@pytest.mark.parametrize("lab, forged", [
-    ("lab04", "from kvlib.course.grading import lab04\nlab04.expect = lambda *a, **k: None"),
-    ("lab06", "import kvlib.course.grading.checks as c\nc.Task.run_check = lambda *a: None"),
-    ("lab10", "MyHostTier = __import__('kvlib').prefix_cache.HostPrefixTier"),
-])
-def test_a_forged_cell_in_an_untouched_lab_changes_nothing(lab, forged):
-    graded = _grade(lab, extra=[forged], base=ROOT / "labs" / SOLUTIONS[lab].name)
-    assert sum(t.points for t in graded.values()) == 0
-    assert {s for t in graded.values() for s in _statuses(t)} <= {NOT_IMPLEMENTED, NOT_ALLOWED}
+# ---- the sandbox's copy of kvlib -----------------------------------------------------------------
+def _stubbed(tree: Path, module: str, cls: str) -> dict:
+    """For each method of ``cls`` in the copy: whether its body is only a NotImplementedError stub."""
+    source = ast.parse(module_file(module, tree / "kvlib").read_text())
+    node = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {f.name: len(f.body) == 1 and isinstance(f.body[0], ast.Raise) and "NotImplementedError" in ast.unparse(f)
+            for f in node.body if isinstance(f, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("task, module, cls, stubs", [
+    (lab04.running, "kvlib.scheduler", "Scheduler", {"schedule_running"}),
+    (lab04.waiting, "kvlib.scheduler", "Scheduler", {"schedule_waiting"}),
+    (lab04.engine, "kvlib.scheduler", "Scheduler", {"schedule_running", "schedule_waiting"}),
+    (lab06.swap, "kvlib.block_manager", "BlockManager", {"swap_out", "swap_in", "host_blocks_needed"}),
+    (lab06.drop, "kvlib.block_manager", "BlockManager", {"drop"}),
+    (lab10.tier, "kvlib.prefix_cache", "HostPrefixTier", {"__init__", "put", "lookup", "touch", "evict_one",
+                                                          "__contains__", "__iter__", "num_cached"}),
+], ids=lambda v: getattr(v, "name", None))
+def test_the_sandbox_copy_stubs_exactly_the_graded_methods(task, module, cls, stubs):
+    stubbed = _stubbed(stubbed_tree(task.hidden), module, cls)
+    assert {name for name, stub in stubbed.items() if stub} == stubs
+    assert not any(_stubbed(ROOT, module, cls).values())  # kvlib itself is untouched
 
 
 # ---- kvlib's own pieces pass the checks written for the learner's ------------------------------
 def _copied(base: type, names: tuple) -> type:
-    """A subclass whose methods run copies of kvlib's code (kvlib's own functions would be refused)."""
+    """A subclass running copies of kvlib's methods, which hiding ``base``'s own does not reach."""
     def copy(f):
         return types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     return type("Own", (base,), {name: copy(base.__dict__[name]) for name in names})
 
 
 def test_kvlibs_own_algorithms_get_full_marks():
-    scheduler = _copied(Scheduler, lab04.GRADED)
+    scheduler = _copied(Scheduler, ("schedule_running", "schedule_waiting"))
     assert lab04.check_schedule_running(scheduler).full_marks and lab04.check_schedule_waiting(scheduler).full_marks
-    block_manager = _copied(BlockManager, lab06.GRADED)
+    block_manager = _copied(BlockManager, ("swap_out", "swap_in", "drop", "host_blocks_needed"))
     assert lab06.check_swap(block_manager).full_marks and lab06.check_drop(block_manager).full_marks
-    assert lab10.check_tier(HostPrefixTier).full_marks
+    tier = _copied(HostPrefixTier, tuple(n for n, v in vars(HostPrefixTier).items() if callable(v)))
+    tier.num_cached = property(lambda self: len(self._by_name))
+    assert lab10.check_tier(tier).full_marks
 
 
-def test_every_lab04_scenario_exercises_its_rule():
-    plans = {name: lab04._reference_plans(name) for name in lab04.SCENARIOS}
-    assert plans["chunked_prefill"][:2] == ({"a": 8, "b": 2}, {"a": 1, "b": 9})
-    assert {"a": 33} in plans["watermark_waived"]  # a resumes alone, past the watermark
-    assert {"b": 4, "c": 8} in plans["prefix_hits"]
-    assert {"p": 6} in plans["max_num_seqs"]  # q waits while p's samples take their places
+@pytest.mark.parametrize("seed", range(4))
+def test_every_lab04_scenario_exercises_its_rule(seed):
+    plans = {name: lab04._plans(Scheduler, name, random.Random(seed)) for name in lab04.SCENARIOS}
+    first = plans["chunked_prefill"][0]  # a's whole prompt and b's first chunk fill the budget
+    assert first.startswith("a: ") and ", b: " in first and "c" not in first
+    assert "a: 33" in plans["watermark_waived"]  # a resumes alone, past the watermark
+    assert "b: 4, c: 8" in plans["prefix_hits"]
+    assert any(p.startswith("p: ") and "," not in p for p in plans["max_num_seqs"])  # q waits for p's samples
+    assert plans["arrival_ties"] == plans["fcfs_across_queues"]  # a tie goes to the older seq_id: s
+    assert plans["arrived_earlier"] != plans["nobody_overtakes"]  # w arrived first, so w goes first
+    assert len({tuple(lab04._plans(Scheduler, "budget", random.Random(s))) for s in range(6)}) > 1  # seeds vary it
 
 
 def test_the_model_free_driver_runs_a_learners_classes():

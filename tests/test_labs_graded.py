@@ -31,21 +31,21 @@ def cells_of(path: Path, edits=()) -> list[str]:
     return cells
 
 
-def failed(results) -> set[str]:
-    return {f"{t.task}/{c.name}" for t in results for c in t.checks if c.status != PASS}
+def failed(graded) -> set[str]:
+    return {f"{t.task}/{c.name}" for t in graded.tasks for c in t.checks if c.status != PASS}
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
 def test_the_solution_gets_full_marks(solution):
     results = grade_cells(lab_of(solution), cells_of(solution), runner=InProcess)
-    assert failed(results) == set(), [r for r in results if not r.full_marks]
+    assert failed(results) == set(), [r for r in results.tasks if not r.full_marks]
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
 def test_the_untouched_lab_gets_zero_and_says_not_implemented(solution):
     results = grade_cells(lab_of(solution), cells_of(ROOT / "labs" / solution.name), runner=InProcess)
-    assert sum(t.points for t in results) == 0
-    assert {c.status for t in results for c in t.checks} == {NOT_IMPLEMENTED}
+    assert sum(t.points for t in results.tasks) == 0
+    assert {c.status for t in results.tasks for c in t.checks} == {NOT_IMPLEMENTED}
 
 
 def _bugs():
@@ -59,7 +59,7 @@ def test_a_realistic_bug_loses_the_points_of_what_it_breaks(solution, bug):
     results = grade_cells(lab_of(solution), cells_of(solution, bug.edits), runner=InProcess)
     lost = failed(results)
     assert bug.fails <= lost, f"expected {sorted(bug.fails)} to fail, failed: {sorted(lost)}"
-    assert all(c.message for t in results for c in t.checks if c.status != PASS)
+    assert all(c.message for t in results.tasks for c in t.checks if c.status != PASS)
 
 
 def test_every_lab_has_at_least_six_bugs():

@@ -46,3 +46,24 @@ BUGS = [
         [(" or lower \"\n                f\"concurrency (max_num_seqs)\")", "\")")],
         "detector/says_what_to_change"),
 ]
+BUGS += [
+    # a measurement of one step (or a timeline no longer than the window) has only the first window
+    bug("the first window never counted",
+        [("    busiest = current = sum(per_step[:window])\n", "    current = sum(per_step[:window])\n    busiest = 0\n")],
+        "report/busiest_window"),
+    bug("the last window missed",
+        [("    for i in range(window, len(per_step)):", "    for i in range(window, len(per_step) - 1):")],
+        "report/busiest_window"),
+    bug("the preempted share over the finished counter, not the records kept",
+        [('len(groups["preempted"]) / len(records) if records else None',
+          'len(groups["preempted"]) / metrics.num_finished if records else None')],
+        "report/rate_and_share"),
+    bug("the rate read from the recompute counter",
+        [("metrics.num_preemptions / metrics.num_finished if metrics.num_finished else 0.0",
+          "metrics.num_preemptions_recompute / metrics.num_finished if metrics.num_finished else 0.0")],
+        "report/rate_and_share"),
+    bug("judged only after more than 8 requests",
+        [("        if self.warned or len(self.recent) < self.min_recent:\n",
+          "        if self.warned or len(self.recent) <= self.min_recent:\n")],
+        "detector/quiet_on_thin_evidence"),
+]

@@ -105,7 +105,7 @@ def _cost_check(name: str, points: int, hint: str, shortfalls: tuple, cases) -> 
     select_victim.check(points, hint, compare=no_costlier)(scenario)
 
 
-_cost_check("one_victim_when_one_suffices", 2, "a victim gives at most its unique tail; one that leaves blocks missing "
+_cost_check("one_victim_when_one_suffices", 1, "a victim gives at most its unique tail; one that leaves blocks missing "
             "means a second preemption right after it; a tail of exactly the shortfall covers it", (2, 6),
             lambda r, s: [("Rrr", [r.randint(1, 4), s + r.randint(0, 3), s - 1], None, s),
                           ("Rpr", [1, s, r.randint(1, s - 1)], None, s), ("Rrrr", [2, s, r.randrange(1, s), 1], 0, s)])
@@ -113,7 +113,7 @@ _cost_check("shared_blocks_free_nothing", 1, "a block that another sequence also
             "holders lets go: count only what a victim can actually give", (3, 5),
             lambda r, s: [("Rrr", [1, s, 1], [0, 0, r.randint(s, 8)], s), ("Rrr", [3, 2, 0], [0, 0, r.randint(2, 6)], 1),
                           ("Rrrr", [1, 2, 1, 2], [0, 0, r.randint(5, 9), 0], 4)])
-_cost_check("nobody_covers_alone", 2, "when nobody covers the shortfall alone, take the largest unique tails first: "
+_cost_check("nobody_covers_alone", 1, "when nobody covers the shortfall alone, take the largest unique tails first: "
             "the fewest victims (the engine asks again after each one, with what is still missing)", (3, 6),
             lambda r, s: [("Rrrrr", [1, 1, 1, 2, s], None, s + 2), ("Rrrrr", [2, 2, 2, 3, 3], None, 6),
                           ("Rr=r", [1, 2, 2, s], None, s + 3)])

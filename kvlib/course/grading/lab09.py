@@ -1,34 +1,23 @@
 """Lab 09 checks: the learner's preemption report and oversubscription detector, by hand and in the engine.
 
-``preemption_report(metrics, window)`` turns :class:`~kvlib.metrics.EngineMetrics` into the numbers
-lesson 08 reads. kvlib has no such report, so the reference is written here (:func:`_reference_report`,
-hidden while grading, as is ``EngineMetrics.summary``); each check builds metrics from the seed, one
-quantity per check, and a last one reads an oversubscribed run.
-
-``MyOversubscriptionDetector().observe(metrics)`` must say, once, when the server is oversubscribed
-*now*. kvlib's :class:`~kvlib.oversubscription.OversubscriptionDetector` judges the whole run (hidden
-while grading); the reference is a detector over the last 16 finished requests (:func:`_reference_detector`,
-hidden too). The checks observe what any correct design answers (whether and when it warned, how
-often, what the warning names), on made-up runs replayed as the engine calls it and on four engine
-workloads: oversubscribed from the start (the detector plugged in), with room, light and then
-oversubscribed late, and occasionally preempted (served once, every state replayed to the detector).
+kvlib has no report, and its OversubscriptionDetector judges the whole run: both references are written here and
+hidden while grading (with EngineMetrics.summary and kvlib's detector). Metrics are drawn from the seed; detector
+checks observe what any correct design answers (whether and when it warned, how often, what it names).
 """
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, fields
 from functools import cache
 from typing import Optional
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, close, expect
-from kvlib.course.grading.workloads import Arrival, serve_timed
-from kvlib.metrics import EngineMetrics, RequestMetrics, StepRecord
+from kvlib.course.grading.workloads import Arrival, Watched, replay_run, replay_watched, serve_watched, step_record
+from kvlib.metrics import EngineMetrics, RequestMetrics
 
 
 def _reference_report():
     import statistics
-
     def preemption_report(metrics: EngineMetrics, window: int = 16) -> dict:
         records = list(metrics.requests.values())
         groups = {"preempted": [r for r in records if r.num_preemptions],
@@ -49,7 +38,6 @@ def _reference_report():
 
 def _reference_detector():
     from collections import deque
-
     class RecentRequests:
         def __init__(self, threshold: float = 1.0):
             self.threshold, self.recent, self.seen, self.warned = threshold, deque(maxlen=16), 0, False
@@ -76,10 +64,6 @@ NEAR = close(1e-9, 1e-9)
 
 
 # ---- the report, by hand -------------------------------------------------------------------------
-def _step(number: int, preemptions: int) -> StepRecord:
-    return StepRecord(number, 0.01, 0.01 * number, 10, 16, 0, 16, 2, 0, 0, 4, preemptions)
-
-
 def _metrics(rng: random.Random, records: int = 0, steps=(), ttft_none: int = 0, **counters) -> EngineMetrics:
     """``records`` request records drawn from ``rng`` (about half preempted; ``ttft_none`` with no ttft)."""
     m = EngineMetrics(**counters)
@@ -88,8 +72,7 @@ def _metrics(rng: random.Random, records: int = 0, steps=(), ttft_none: int = 0,
         ttft = None if i < ttft_none else round(rng.uniform(0.05, 2), 3)
         m.requests[f"req-{i}"] = RequestMetrics(f"req-{i}", 0.0, ttft, (ttft or 0) + 1, preempted,
                                                 round(rng.uniform(0.01, 0.1) * (1 + preempted), 4), 8)
-    for i, preemptions in enumerate(steps):
-        m.steps.append(_step(i, preemptions))
+    m.steps.extend(step_record(i, preemptions) for i, preemptions in enumerate(steps))
     return m
 
 
@@ -150,8 +133,8 @@ def recomputed_share(fn, rng: random.Random) -> dict:
 @report.check(1, "before anything has run the report still answers: 0.0 for the rate and the recomputed share, 0 "
                  "for the busiest window, None for the share and for every group of requests (nothing to divide)")
 def nothing_yet(fn, rng: random.Random) -> dict:
-    return {f"the report of an engine that has served nothing, window={w}": fn(EngineMetrics(), w)
-            for w in (rng.randint(1, 32),)}
+    window = rng.randint(1, 32)
+    return {f"the report of an engine that has served nothing, window={window}": fn(EngineMetrics(), window)}
 
 
 @report.check(2, "pass the checks above first; on a real run the timeline and the request records are long and "
@@ -162,31 +145,10 @@ def report_on_a_real_run(fn, rng: random.Random) -> dict:
 
 
 # ---- the detector, on made-up runs ---------------------------------------------------------------
-def replay_run(detector_obj, preemptions_per_request: list[int]) -> list[tuple[int, str]]:
-    """Feed ``detector_obj`` a made-up run as the engine would, after every step, one metrics object that grows:
-    request ``i`` finishes at step ``i``, preempted ``preemptions_per_request[i]`` times. (finished, warning)s."""
-    m, warnings = EngineMetrics(), []
-    for i, preempted in enumerate(preemptions_per_request):
-        m.num_preemptions += preempted
-        m.requests[f"r{i}"] = RequestMetrics(f"r{i}", 0.0, 0.1, 1.0, preempted, 0.05 * (1 + preempted), 8)
-        m.num_finished += 1
-        seen = (m.num_preemptions, m.num_finished, list(m.requests), len(m.steps))
-        answer = detector_obj.observe(m)
-        expect((m.num_preemptions, m.num_finished, list(m.requests), len(m.steps)) == seen,
-               "observe changed the metrics it was given; it may only read them")
-        warnings += [(m.num_finished, answer)] if answer else []
-        m.record_step(_step(i, preempted))
-    return warnings
-
-
-def _heavy(rng: random.Random, n: int) -> list[int]:
-    return [rng.randint(2, 5) for _ in range(n)]
-
-
 @detector.check(1, "judge only on enough evidence: with fewer than 8 finished requests, say nothing, however "
                    "preempted they were; with 8, judge")
 def quiet_on_thin_evidence(cls, rng: random.Random) -> dict:
-    run = _heavy(rng, rng.randint(1, 7))
+    run = [rng.randint(2, 5) for _ in range(rng.randint(1, 7))]
     return {f"warnings on {run}": len(replay_run(cls(), run)), "warnings on 8 requests preempted 3 times each":
             len(replay_run(cls(), [3] * 8))}
 
@@ -194,7 +156,7 @@ def quiet_on_thin_evidence(cls, rng: random.Random) -> dict:
 @detector.check(1, "a server whose requests are each preempted more than once is oversubscribed: warn as soon as "
                    "enough of them finished")
 def warns_when_oversubscribed(cls, rng: random.Random) -> dict:
-    run = _heavy(rng, 24)
+    run = [rng.randint(2, 5) for _ in range(24)]
     return {f"on {run}, warned by the time 12 had finished": [n <= 12 for n, _ in replay_run(cls(), run)][:1]}
 
 
@@ -219,14 +181,14 @@ def quiet_on_occasional_preemption(cls, rng: random.Random) -> dict:
 
 @detector.check(1, "warn once: the engine calls observe after every step, and an alarm every step is noise")
 def warns_once(cls, rng: random.Random) -> dict:
-    run = _heavy(rng, 60)
+    run = [rng.randint(2, 5) for _ in range(60)]
     return {f"warnings on {run}": len(replay_run(cls(), run))}
 
 
 @detector.check(1, "the warning says what to change: more KV capacity (num_gpu_blocks) or less concurrency "
                    "(max_num_seqs), and how bad it is (the rate you measured)")
 def says_what_to_change(cls, rng: random.Random) -> dict:
-    run = _heavy(rng, 16)
+    run = [rng.randint(2, 5) for _ in range(16)]
     messages = [w for _, w in replay_run(cls(), run)][:1]
     return {f"on {run}, a warning that is a str naming num_gpu_blocks, max_num_seqs and a number": [
         [isinstance(w, str), "num_gpu_blocks" in str(w), "max_num_seqs" in str(w), any(c.isdigit() for c in str(w))]
@@ -235,88 +197,29 @@ def says_what_to_change(cls, rng: random.Random) -> dict:
 
 # ---- the detector in the engine -------------------------------------------------------------------
 CONFIG = dict(block_size=4, preemption_mode="recompute", watermark=0.0, max_num_seqs=32, device="cpu")
-LATE_START = 30
-MAX_STEPS = 2000
+LATE_START, MAX_STEPS = 30, 2000
 
 
-def _workload(name: str, seed: int) -> tuple[list[Arrival], int]:
-    """16 requests growing to 8 blocks at once in 20 blocks (or 512); 24 short ones one a step, then 16 long at
-    step 30; 40 one every 2 steps, one in six long. Only the tokens are drawn."""
+def _workload(name: str, seed: int) -> tuple[dict, list[Arrival]]:
+    """16 requests growing to 8 blocks at once; 24 short, then 16 long at step 30; 40, one in six long."""
     rng = random.Random(seed)
     prompt, grows = (lambda: tuple(rng.randrange(3, 253) for _ in range(8))), (lambda n: SamplingParams(
         max_tokens=n, ignore_eos=True))
-    burst = [Arrival(0, prompt(), grows(24)) for _ in range(16)]
-    return {"oversubscribed": (burst, 20), "roomy": (burst, 512),
-            "late": ([Arrival(i, prompt(), grows(4)) for i in range(24)]
-                     + [Arrival(LATE_START, prompt(), grows(24)) for _ in range(16)], 20),
-            "occasional": ([Arrival(2 * i, prompt(), grows(24 if i % 6 == 0 else 8)) for i in range(40)], 20)}[name]
+    arrivals = {"oversubscribed": (burst := [Arrival(0, prompt(), grows(24)) for _ in range(16)]), "roomy": burst,
+                "late": [Arrival(i, prompt(), grows(4)) for i in range(24)]
+                + [Arrival(LATE_START, prompt(), grows(24)) for _ in range(16)],
+                "occasional": [Arrival(2 * i, prompt(), grows(24 if i % 6 == 0 else 8)) for i in range(40)]}[name]
+    return dict(CONFIG, num_gpu_blocks=512 if name == "roomy" else 20), arrivals
 
 
-class _Tape:
-    """A detector that never warns and records every state of the metrics it is shown, to replay to others."""
-
-    SCALARS = [f.name for f in fields(EngineMetrics) if f.name not in ("history", "requests", "steps")]
-
-    def __init__(self):
-        self.entries, self.step, self.requests, self.steps = [], 0, 0, 0
-
-    def observe(self, metrics: EngineMetrics):
-        records, steps = list(metrics.requests.values()), list(metrics.steps)
-        self.entries.append((self.step, {k: getattr(metrics, k) for k in self.SCALARS},
-                             records[self.requests:] if len(records) >= self.requests else records, steps[self.steps:]))
-        self.requests, self.steps = len(records), len(steps)
+_recorded = cache(lambda workload, seed: serve_watched(None, *_workload(workload, seed), MAX_STEPS))
 
 
-@dataclass
-class Served:
-    warnings: list  # (finished requests, engine step, warning)
-    metrics: EngineMetrics
-    tape: Optional[list] = None
-
-
-def _live(detector_cls, workload: str, seed: int) -> Served:
-    """Serve a workload with ``detector_cls()`` plugged into the engine (None: a tape recorder)."""
-    import logging
-
-    from kvlib import LLM, EngineConfig
-
-    arrivals, blocks = _workload(workload, seed)
-    inner, warnings, step = detector_cls() if detector_cls else _Tape(), [], [0]
-
-    class Recording:
-        def observe(self, metrics):
-            inner.step = step[0]
-            answer = inner.observe(metrics)
-            warnings.extend([(metrics.num_finished, step[0], answer)] if answer else [])
-            return answer
-    llm = LLM("default", EngineConfig(num_gpu_blocks=blocks, **CONFIG), oversubscription_detector=Recording(),
-              verbose=False)
-    level = logging.getLogger("kvlib").level
-    logging.getLogger("kvlib").setLevel(logging.ERROR)  # the warnings are counted here
-    try:
-        serve_timed(llm, arrivals, MAX_STEPS, before_step=lambda s: step.__setitem__(0, s))
-    finally:
-        logging.getLogger("kvlib").setLevel(level)
-    return Served(warnings, llm.metrics, None if detector_cls else inner.entries)
-
-
-_recorded = cache(lambda workload, seed: _live(None, workload, seed))
-
-
-def watch(detector_cls, workload: str, seed: int = 0) -> Served:
-    """``detector_cls()`` on a workload: plugged in when oversubscribed from the start, else replayed call by
-    call on the run served once (a detector only reads the metrics, so the run does not depend on it)."""
+def watch(detector_cls, workload: str, seed: int = 0) -> Watched:
+    """``detector_cls()`` on a workload: plugged in when oversubscribed, else replayed on the run served once."""
     if workload == "oversubscribed":
-        return _live(detector_cls, workload, seed)
-    recorded = _recorded(workload, seed)
-    m, detector_obj, warnings = EngineMetrics(history=recorded.metrics.history), detector_cls(), []
-    for step, counters, records, steps in recorded.tape:
-        m.__dict__.update(counters)
-        m.requests.update((r.request_id, r) for r in records)
-        m.steps.extend(steps)
-        answer = detector_obj.observe(m)
-        warnings += [(m.num_finished, step, answer)] if answer else []
-    return Served(warnings, recorded.metrics)
+        return serve_watched(detector_cls(), *_workload(workload, seed), MAX_STEPS)
+    return replay_watched(detector_cls(), _recorded(workload, seed))
 
 
 @engine.check(2, "pass the detector checks first; a pool too small from the start must be flagged once, while "

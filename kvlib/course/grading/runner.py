@@ -27,7 +27,7 @@ from typing import Optional
 from kvlib.course.grading.checks import Check, Observed, Task, observe, verdict
 from kvlib.course.grading.extract import Statement, code_cells, extract, load
 from kvlib.course.grading.fingerprint import FLAG_AT, resemblance
-from kvlib.course.grading.hidden import hidden_source, hiding, stubbed_tree
+from kvlib.course.grading.hidden import hidden_source, hiding
 from kvlib.course.grading.report import GradeReport
 from kvlib.course.grading.results import CRASHED, NOT_GRADED, TIMED_OUT, CheckResult, TaskResult
 from kvlib.course.grading.sandbox import NOT_ISOLATED, Crashed, Limits, Sandbox, isolation
@@ -82,7 +82,7 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
         flags += _resemblances(task, extracted.statements)
     for hidden, tasks in groups.items():
         statements = _union(s for _, kept in tasks for s in kept)
-        with runner(lab, statements, stubbed_tree(hidden), limits) as sandbox:
+        with runner(lab, statements, hidden, limits) as sandbox:
             for task, _ in tasks:
                 results[task.name] = TaskResult(task.name, [_grade_check(sandbox, lab, task, check, seed, limits,
                                                                          deadline) for check in task.checks])
@@ -139,11 +139,12 @@ class InProcess:
     """The sandbox's interface in this process, for trusted code only: the tests of the graders themselves.
     kvlib's answers are hidden while the learner's code runs, as in the sandbox's copy of kvlib."""
 
-    def __init__(self, lab: str, statements: list[Statement], tree: Path, limits: Limits = Limits()):
+    def __init__(self, lab: str, statements: list[Statement], hidden: tuple[str, ...], limits: Limits = Limits()):
         self.tasks = {task.name: task for task in tasks_of(lab)}
         self.startup_error: Optional[str] = None
         try:
-            self.namespace = load(statements).__dict__  # trusted test code
+            with hiding(hidden):  # what the learner's code takes from kvlib at load time is the stub, too
+                self.namespace = load(statements).__dict__  # trusted test code
         except Exception as exc:  # noqa: BLE001 - the same report the sandbox gives
             self.startup_error = f"your definitions raise {type(exc).__name__}: {exc} when they run"
 

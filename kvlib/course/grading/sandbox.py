@@ -31,7 +31,7 @@ from typing import Optional
 
 from kvlib.course.grading.checks import Observed, observe
 from kvlib.course.grading.extract import Statement, load
-from kvlib.course.grading.hidden import PACKAGE
+from kvlib.course.grading.hidden import PACKAGE, stubbed_tree
 from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED
 
 STARTUP_LIMIT_S = 120.0  # importing torch and kvlib, then defining the learner's names
@@ -53,10 +53,11 @@ class Crashed(Exception):
 
 
 class Sandbox:
-    """The learner's definitions, loaded in a fresh isolated process on ``tree``; ``observe`` runs one check."""
+    """The learner's definitions, loaded in a fresh isolated process on kvlib without ``hidden``; ``observe``
+    runs one check."""
 
-    def __init__(self, lab: str, statements: list[Statement], tree: Path, limits: Limits = Limits()):
-        self.lab, self.statements, self.tree, self.limits = lab, statements, tree, limits
+    def __init__(self, lab: str, statements: list[Statement], hidden: tuple[str, ...], limits: Limits = Limits()):
+        self.lab, self.statements, self.tree, self.limits = lab, statements, stubbed_tree(hidden), limits
         self.process: Optional[subprocess.Popen] = None
         self.startup_error: Optional[str] = None
 

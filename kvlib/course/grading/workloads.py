@@ -60,3 +60,93 @@ def serve_timed(llm, arrivals: list[Arrival], max_steps: int,
                 raise CheckFailed(f"after engine step {step + 1}: {exc}") from exc
         step += 1
     return Served([finished[i][0] for i in ids], [finished[i][1] for i in ids], step)
+
+
+# ---- a detector watching a run (lab 09) ------------------------------------------------------------
+@dataclass
+class Watched:
+    warnings: list  # (finished requests, engine step, warning)
+    metrics: object  # EngineMetrics at the end
+    tape: Optional[list] = None  # every state of the metrics observe was shown, when recorded
+
+
+class _Tape:
+    """A detector that never warns and records every state of the metrics it is shown, to replay to others."""
+
+    def __init__(self):
+        self.entries, self.step, self.requests, self.steps = [], 0, 0, 0
+
+    def observe(self, metrics):
+        from dataclasses import fields
+        records, steps = list(metrics.requests.values()), list(metrics.steps)
+        scalars = {f.name: getattr(metrics, f.name) for f in fields(metrics)
+                   if f.name not in ("history", "requests", "steps")}
+        self.entries.append((self.step, scalars, records[self.requests:] if len(records) >= self.requests else records,
+                             steps[self.steps:]))
+        self.requests, self.steps = len(records), len(steps)
+
+
+def serve_watched(detector, config: dict, arrivals: list[Arrival], max_steps: int) -> Watched:
+    """Serve ``arrivals`` with ``detector`` plugged into the engine (None: a recorder of what it would see)."""
+    import logging
+
+    from kvlib import LLM, EngineConfig
+
+    inner, warnings, step = detector if detector is not None else _Tape(), [], [0]
+
+    class Recording:
+        def observe(self, metrics):
+            inner.step = step[0]
+            answer = inner.observe(metrics)
+            warnings.extend([(metrics.num_finished, step[0], answer)] if answer else [])
+            return answer
+    llm = LLM("default", EngineConfig(**config), oversubscription_detector=Recording(), verbose=False)
+    log = logging.getLogger("kvlib")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the warnings are counted here; the grader's log stays readable
+    try:
+        serve_timed(llm, arrivals, max_steps, before_step=lambda s: step.__setitem__(0, s))
+    finally:
+        log.setLevel(level)
+    return Watched(warnings, llm.metrics, inner.entries if detector is None else None)
+
+
+def replay_watched(detector, recorded: Watched) -> Watched:
+    """What ``detector`` answers on a recorded run, shown the same metrics call by call as if plugged in."""
+    from kvlib.metrics import EngineMetrics
+
+    m, warnings = EngineMetrics(history=recorded.metrics.history), []
+    for step, counters, records, steps in recorded.tape:
+        m.__dict__.update(counters)
+        m.requests.update((r.request_id, r) for r in records)
+        m.steps.extend(steps)
+        answer = detector.observe(m)
+        warnings += [(m.num_finished, step, answer)] if answer else []
+    return Watched(warnings, recorded.metrics)
+
+
+# ---- made-up runs (lab 09) ------------------------------------------------------------------------
+def step_record(number: int, preemptions: int):
+    """A made-up StepRecord of engine step ``number`` with ``preemptions`` preemptions."""
+    from kvlib.metrics import StepRecord
+    return StepRecord(number, 0.01, 0.01 * number, 10, 16, 0, 16, 2, 0, 0, 4, preemptions)
+
+
+def replay_run(detector_obj, preemptions_per_request: list[int]) -> list[tuple[int, str]]:
+    """Feed ``detector_obj`` a made-up run as the engine would, after every step, one metrics object that grows:
+    request ``i`` finishes at step ``i``, preempted ``preemptions_per_request[i]`` times. (finished, warning)s."""
+    from kvlib.metrics import EngineMetrics, RequestMetrics
+
+    m, warnings = EngineMetrics(), []
+    for i, preempted in enumerate(preemptions_per_request):
+        m.num_preemptions += preempted
+        m.requests[f"r{i}"] = RequestMetrics(f"r{i}", 0.0, 0.1, 1.0, preempted, 0.05 * (1 + preempted), 8)
+        m.num_finished += 1
+        seen = (m.num_preemptions, m.num_finished, list(m.requests), len(m.steps))
+        answer = detector_obj.observe(m)
+        if (m.num_preemptions, m.num_finished, list(m.requests), len(m.steps)) != seen:
+            raise CheckFailed("observe changed the metrics it was given; it may only read them")
+        warnings += [(m.num_finished, answer)] if answer else []
+        m.record_step(step_record(i, preempted))
+    return warnings
+
