@@ -4,7 +4,8 @@ Both sides are cut into shingles: runs of eight tokens with comments, docstrings
 contents dropped and every name that is not a keyword or an attribute made the same, so renaming
 variables does not hide a copy. The share of kvlib's shingles that the learner's code also has is
 the resemblance; at :data:`FLAG_AT` or more the report and the gradebook say so, and an instructor
-decides.
+decides. Definitions shorter than :data:`MIN_SHINGLES` are not compared: a short method, or a
+textbook online-softmax step, resembles every correct answer.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import tokenize
 
 SHINGLE = 8
 FLAG_AT = 0.6
+MIN_SHINGLES = 200
 _SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
             tokenize.ENDMARKER}
 
@@ -43,6 +45,6 @@ def shingles(source: str) -> set[tuple[str, ...]]:
 def resemblance(learner_source: str, kvlib_source: str) -> float:
     """The share of kvlib's shingles found in the learner's code, 0 to 1."""
     theirs = shingles(kvlib_source)
-    if not theirs:
+    if len(theirs) < MIN_SHINGLES:
         return 0.0
     return len(theirs & shingles(learner_source)) / len(theirs)

@@ -233,7 +233,7 @@ def compare(policy_cls, seed: int = 0) -> None:
     for workload, cls in ((w, c) for w in WORKLOADS for c in (policy_cls, SparingPolicy, LatestArrivalPolicy)):
         try:
             print(f"{workload:<14}{cls.__name__:<21}", {k: v for k, v in _run(cls, workload, seed)[0].items()
-                                                         if not k.startswith("tokens")})
+                                                         if k != "tokens of each request's samples"})
         except NotImplementedError as exc:
             print(f"{cls.__name__}: not implemented yet ({exc})")
 
