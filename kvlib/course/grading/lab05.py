@@ -214,7 +214,7 @@ def seeded_samples(cls, rng: random.Random) -> dict:
 def under_preemption(cls, rng: random.Random) -> dict:
     from kvlib import SamplingParams
     params = SamplingParams(max_tokens=MAX_TOKENS, n=N, temperature=1.0, seed=rng.randrange(10**6))
-    prompts = _prompts(rng, [rng.randint(4, 6) for _ in range(4)])
+    prompts = _prompts(rng, [5, 7, 2 * rng.randint(2, 3) + 1, 2 * rng.randint(2, 3)])  # three end mid-block
     return {mode: _serve(cls, dict(PRESSURE, preemption_mode=mode), prompts, params) for mode in ("swap", "recompute")}
 
 

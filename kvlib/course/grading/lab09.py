@@ -64,10 +64,10 @@ check_report, check_detector, check_engine = report.grade, detector.grade, engin
 
 # ---- the report, by hand -------------------------------------------------------------------------
 def _metrics(rng: random.Random, records: int = 0, steps=(), ttft_none: int = 0, **counters) -> EngineMetrics:
-    """``records`` request records drawn from ``rng`` (about half preempted; ``ttft_none`` with no ttft)."""
+    """``records`` request records drawn from ``rng`` (every other one preempted; ``ttft_none`` with no ttft)."""
     m = EngineMetrics(**counters)
     for i in range(records):
-        preempted = rng.choice([0, 0, 1, 2, 3])
+        preempted = rng.choice([1, 2, 3]) if i % 2 else 0
         ttft = None if i < ttft_none else round(rng.uniform(0.05, 2), 3)
         m.requests[f"req-{i}"] = RequestMetrics(f"req-{i}", 0.0, ttft, (ttft or 0) + 1, preempted,
                                                 round(rng.uniform(0.01, 0.1) * (1 + preempted), 4), 8)
@@ -86,7 +86,7 @@ def _part(report_fn, metrics: EngineMetrics, key: str, window: int = 16):
 def rate_and_share(fn, rng: random.Random) -> dict:
     kept, total = rng.randint(4, 10), rng.randint(3, 30)
     m = _metrics(rng, kept, num_preemptions=total, num_finished=kept + rng.randint(1, 5),
-                 num_preemptions_recompute=rng.randint(0, total))
+                 num_preemptions_recompute=rng.randint(0, total - 1))
     return {f"{m.num_preemptions} preemptions, {m.num_finished} finished, {kept} records kept: {key}":
             _part(fn, m, key) for key in ("preemptions_per_finished_request", "preempted_share")}
 
