@@ -19,7 +19,7 @@ import pytest
 from kvlib import cost_probe
 from kvlib.cost_model import PreemptionCostModel, attention_pairs
 from kvlib.course.grading import lab08
-from kvlib.course.grading.checks import observe, verdict
+from kvlib.course.grading.checks import observe
 from kvlib.course.grading.hidden import hiding
 from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED, PASS
 from kvlib.course.grading.runner import InProcess, grade_cells
@@ -32,21 +32,11 @@ LAB = ROOT / "labs" / "lab08_cost_model.ipynb"
 SEEDS = (0, 1, 2, 3)
 
 
-def results(task, piece, seed: int):
-    """Every check of ``task`` on ``piece`` against kvlib's own, on ``seed``, as the grader decides them."""
-    out = []
-    for check in task.checks:
-        reference = observe(check, task.reference(), seed)
-        with hiding(task.hidden):
-            out.append(verdict(check, observe(check, piece, seed), reference))
-    return out
-
-
 def lost(tasks, piece, seeds=SEEDS) -> set[str]:
     """The checks ``piece`` fails, the same on every seed; a failure always says why and hints."""
     found = set()
     for seed in seeds:
-        failed = {f"{task.name}/{r.name}": r for task in tasks for r in results(task, piece, seed) if r.status != PASS}
+        failed = {f"{task.name}/{r.name}": r for task in tasks for r in task.verdicts(piece, seed) if r.status != PASS}
         assert all(r.status == FAIL and r.message and r.hint for r in failed.values()), failed
         assert not found or set(failed) == found, (seed, set(failed), found)
         found = set(failed)
@@ -140,12 +130,12 @@ def test_timing_a_bug_costs_exactly_its_checks(piece, failed):
 
 
 def test_the_observation_names_what_the_timing_saw():
-    [result] = [r for r in results(lab08.measure, one_after_another, 0) if r.status != PASS]
+    [result] = [r for r in lab08.measure.verdicts(one_after_another, 0) if r.status != PASS]
     assert result.name == "in_turns" and "slower for the first" in result.message and "differ from kvlib's" in result.message
 
 
 def test_kvlibs_own_timing_is_not_there_while_the_timing_is_graded():
-    assert {r.status for r in results(lab08.measure, kvlibs_timing, 0)} == {NOT_IMPLEMENTED}
+    assert {r.status for r in lab08.measure.verdicts(kvlibs_timing, 0)} == {NOT_IMPLEMENTED}
     saved = cost_probe.time
     assert lab08._kvlibs_timing([lambda: None], 1, iter(range(100)).__next__) == [1] and cost_probe.time is saved
 
@@ -192,7 +182,7 @@ def test_copy_fit_a_bug_costs_exactly_its_checks(piece, failed):
 
 
 def test_kvlibs_own_copy_fit_is_not_there_while_the_fit_is_graded_and_recovers_the_terms_outside():
-    assert {r.status for r in results(lab08.fit_swap, kvlibs_copy_fit, 0)} == {NOT_IMPLEMENTED}
+    assert {r.status for r in lab08.fit_swap.verdicts(kvlibs_copy_fit, 0)} == {NOT_IMPLEMENTED}
     cost = PreemptionCostModel(2.52e10, 1.0, copy_call_seconds=1e-5)
     counts = [1, 3, 9, 17]
     call, link = lab08._kvlibs_copy_fit(counts, [cost.swap_seconds(n, 368640) for n in counts], 368640)
@@ -412,7 +402,7 @@ class CallsTheDefault(Policy):
 
 @pytest.mark.parametrize("policy", [AsksKvlib, CallsTheDefault, LatestArrivalPolicy], ids=lambda p: p.__name__)
 def test_kvlibs_own_choice_is_not_there_while_the_choice_is_graded(policy):
-    assert {r.status for r in results(lab08.choose_mode, policy, 0)} == {NOT_IMPLEMENTED}
+    assert {r.status for r in lab08.choose_mode.verdicts(policy, 0)} == {NOT_IMPLEMENTED}
     cost = PreemptionCostModel(1e9, 1e3)
     assert cost.choose(1, 1024, 16) == "swap" and cost.recompute_range(16, 1024) is None  # restored after
 

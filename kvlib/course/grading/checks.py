@@ -58,44 +58,45 @@ def raised(action: Callable[[], Any]) -> Optional[str]:
 # ---- comparing observations ---------------------------------------------------------------------
 def same(yours: Any, reference: Any, path: str = "") -> Optional[str]:
     """Exact agreement, key by key; the message names the first observation that differs."""
-    if isinstance(reference, dict) and isinstance(yours, dict):
-        for key, expected in reference.items():
-            if key not in yours:
-                return f"{_at(path, key)}: nothing observed"
-            why = same(yours[key], expected, _at(path, key))
-            if why:
-                return why
-        return None
-    if yours != reference or type(yours) is not type(reference) and not _both_numbers(yours, reference):
-        return f"{path or 'result'}: yours is {_short(yours)}, kvlib's is {_short(reference)}"
-    return None
+    return _walk(yours, reference, path, _exactly)
 
 
 def close(atol: float, rtol: float) -> Compare:
     """Agreement of nested lists of floats within ``atol + rtol * |kvlib's|``, other values exactly."""
-    def compare(yours: Any, reference: Any, path: str = "") -> Optional[str]:
-        if isinstance(reference, dict) and isinstance(yours, dict):
-            for key, expected in reference.items():
-                why = compare(yours.get(key), expected, _at(path, key)) if key in yours else \
-                    f"{_at(path, key)}: nothing observed"
-                if why:
-                    return why
-            return None
-        if isinstance(reference, list) and _numeric(reference):
-            mine, theirs = _flat(yours), _flat(reference)
-            if mine is None or len(mine) != len(theirs):
-                return f"{path or 'result'}: yours has another shape than kvlib's ({_short(yours)})"
-            worst = max(((abs(a - b), i) for i, (a, b) in enumerate(zip(mine, theirs))
-                         if not (abs(a - b) <= atol + rtol * abs(b))), default=None, key=lambda t: (t[0], -t[1]))
-            if any(math.isnan(a) != math.isnan(b) for a, b in zip(mine, theirs)):
-                return f"{path or 'result'}: yours holds NaN where kvlib's does not"
-            if worst is not None:
-                return (f"{path or 'result'}: {sum(1 for a, b in zip(mine, theirs) if abs(a - b) > atol + rtol * abs(b))} "
-                        f"of {len(theirs)} values differ from kvlib's, by up to {worst[0]:.3g} (allowed {atol:g} + "
-                        f"{rtol:g} x |value|)")
-            return None
-        return same(yours, reference, path)
-    return compare
+    def within(yours: Any, reference: Any, path: str) -> Optional[str]:
+        theirs = _flat(reference) if isinstance(reference, list) else None
+        if not theirs:
+            return _exactly(yours, reference, path)
+        where = path or "result"
+        mine = _flat(yours)
+        if mine is None or len(mine) != len(theirs):
+            return f"{where}: yours has another shape than kvlib's ({_short(yours)})"
+        if any(math.isnan(a) != math.isnan(b) for a, b in zip(mine, theirs)):
+            return f"{where}: yours holds NaN where kvlib's does not"
+        off = [abs(a - b) for a, b in zip(mine, theirs) if not abs(a - b) <= atol + rtol * abs(b)]
+        if off:
+            return (f"{where}: {len(off)} of {len(theirs)} values differ from kvlib's, by up to {max(off):.3g} "
+                    f"(allowed {atol:g} + {rtol:g} x |value|)")
+        return None
+    return lambda yours, reference, path="": _walk(yours, reference, path, within)
+
+
+def _walk(yours: Any, reference: Any, path: str, leaf: Callable[[Any, Any, str], Optional[str]]) -> Optional[str]:
+    """Compare dicts key by key (kvlib's keys, in order), everything else with ``leaf``."""
+    if isinstance(reference, dict) and isinstance(yours, dict):
+        for key, expected in reference.items():
+            why = _walk(yours[key], expected, _at(path, key), leaf) if key in yours else \
+                f"{_at(path, key)}: nothing observed"
+            if why:
+                return why
+        return None
+    return leaf(yours, reference, path)
+
+
+def _exactly(yours: Any, reference: Any, path: str) -> Optional[str]:
+    if yours != reference or type(yours) is not type(reference) and not _both_numbers(yours, reference):
+        return f"{path or 'result'}: yours is {_short(yours)}, kvlib's is {_short(reference)}"
+    return None
 
 
 def _at(path: str, key: Any) -> str:
@@ -105,11 +106,6 @@ def _at(path: str, key: Any) -> str:
 def _both_numbers(a: Any, b: Any) -> bool:
     return isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
         and not isinstance(b, bool)
-
-
-def _numeric(value: Any) -> bool:
-    flat = _flat(value)
-    return flat is not None and len(flat) > 0
 
 
 def _flat(value: Any) -> Optional[list[float]]:
@@ -177,19 +173,23 @@ class Task:
 
     def grade(self, piece: Any) -> TaskResult:
         """Feedback inside the notebook: every check on ``piece`` against kvlib's own, a line per check."""
-        from kvlib.course.grading.hidden import hiding
-
-        results = []
-        for check in self.checks:
-            reference = observe(check, self.reference(), FEEDBACK_SEED)
-            with hiding(self.hidden):
-                yours = observe(check, piece, FEEDBACK_SEED)
-            results.append(verdict(check, yours, reference))
-        result = TaskResult(self.name, results)
+        result = TaskResult(self.name, self.verdicts(piece, FEEDBACK_SEED))
         for check in result.checks:
             print(_line(self.name, check))
         print(f"{self.name}: {result.points}/{result.max_points} points")
         return result
+
+    def verdicts(self, piece: Any, seed: int) -> list[CheckResult]:
+        """Every check on ``piece`` against kvlib's own, both in this process (kvlib's answer hidden while
+        ``piece`` runs), as the grader would decide them on ``seed``."""
+        from kvlib.course.grading.hidden import hiding
+
+        results = []
+        for check in self.checks:
+            reference = observe(check, self.reference(), seed)
+            with hiding(self.hidden):
+                results.append(verdict(check, observe(check, piece, seed), reference))
+        return results
 
     def zero(self, status: str, message: str) -> TaskResult:
         """Every check of the task scored zero for one reason (a missing name, a crash)."""
@@ -243,6 +243,5 @@ def _where(exc: BaseException) -> str:
 def _line(task: str, result: CheckResult) -> str:
     if result.status == PASS:
         return f"PASS {task}/{result.name}"
-    reason = result.message if result.status == FAIL else f"{result.status}: {result.message}"
-    line = f"FAIL {task}/{result.name}: {reason}"
+    line = f"FAIL {task}/{result.name}: {result.reason}"
     return f"{line}\n     hint: {result.hint}" if result.hint else line

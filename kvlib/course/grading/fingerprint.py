@@ -42,9 +42,9 @@ def shingles(source: str) -> set[tuple[str, ...]]:
     return {tuple(words[i:i + SHINGLE]) for i in range(max(0, len(words) - SHINGLE + 1))}
 
 
-def resemblance(learner_source: str, kvlib_source: str) -> float:
-    """The share of kvlib's shingles found in the learner's code, 0 to 1."""
+def resemblance(learner: set[tuple[str, ...]], kvlib_source: str) -> float:
+    """The share of kvlib's shingles found in the learner's (``shingles`` of their code), 0 to 1."""
     theirs = shingles(kvlib_source)
     if len(theirs) < MIN_SHINGLES:
         return 0.0
-    return len(theirs & shingles(learner_source)) / len(theirs)
+    return len(theirs & learner) / len(theirs)

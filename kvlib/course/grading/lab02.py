@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from kvlib.block_allocator import AllocStatus
 from kvlib.course.grading.checks import Task, raised
+from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import serve_checked
 
 ALLOCATOR = ("kvlib.block_allocator:BlockAllocator",)
@@ -21,19 +21,9 @@ TABLE = tuple(f"kvlib.block_table:BlockTable.{m}" for m in ("capacity", "num_mis
                                                               "pop_tail"))
 
 
-def _allocator():
-    from kvlib.block_allocator import BlockAllocator
-    return BlockAllocator
-
-
-def _table():
-    from kvlib.block_table import BlockTable
-    return BlockTable
-
-
-allocator = Task("allocator", ("MyBlockAllocator",), ALLOCATOR, _allocator)
-block_table = Task("block_table", ("MyBlockTable",), TABLE, _table)
-engine = Task("engine", ("MyBlockAllocator",), ALLOCATOR, _allocator)
+allocator = Task("allocator", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]))
+block_table = Task("block_table", ("MyBlockTable",), TABLE, kvlibs_own("kvlib.block_table:BlockTable"))
+engine = Task("engine", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]))
 TASKS = [allocator, block_table, engine]
 check_allocator, check_block_table, check_engine = allocator.grade, block_table.grade, engine.grade
 

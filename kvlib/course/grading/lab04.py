@@ -8,25 +8,20 @@ observes every token. Every plan is checked for invariants (no sequence twice, t
 from __future__ import annotations
 
 import random
-from typing import Callable, Optional
+from typing import Callable
 
 from kvlib.cli.bench.driver import ModelFreeEngine
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.course.grading.checks import FEEDBACK_SEED, CheckFailed, Task, expect
-from kvlib.course.grading.hidden import hiding
+from kvlib.course.grading.hidden import hiding, kvlibs_own
 from kvlib.course.grading.serving import serve_checked
 from kvlib.invariants import InvariantError, check_invariants
 from kvlib.sequence import SequenceStatus
 
 GRADED = ("schedule_running", "schedule_waiting")
 HIDDEN = {name: (f"kvlib.scheduler:Scheduler.{name}",) for name in GRADED}
-
-
-def _scheduler():
-    from kvlib.scheduler import Scheduler
-    return Scheduler
-
+_scheduler = kvlibs_own("kvlib.scheduler:Scheduler")
 
 running = Task("schedule_running", ("MyScheduler",), HIDDEN["schedule_running"], _scheduler)
 waiting = Task("schedule_waiting", ("MyScheduler",), HIDDEN["schedule_waiting"], _scheduler)

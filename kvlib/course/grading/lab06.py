@@ -13,17 +13,13 @@ from functools import partial
 from kvlib.block_allocator import BlockAllocator
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
+from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import serve_checked
 from kvlib.sequence import Sequence
 
 HIDDEN = {name: f"kvlib.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
                                                                         "host_blocks_needed")}
-
-
-def _block_manager():
-    from kvlib.block_manager import BlockManager
-    return BlockManager
-
+_block_manager = kvlibs_own("kvlib.block_manager:BlockManager")
 
 swap = Task("swap", ("MyBlockManager",), tuple(v for k, v in HIDDEN.items() if k != "drop"), _block_manager)
 drop = Task("drop", ("MyBlockManager",), (HIDDEN["drop"],), _block_manager)

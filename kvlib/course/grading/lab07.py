@@ -14,17 +14,13 @@ from typing import Any, Optional
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect, same
+from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.workloads import Arrival, serve_timed
 from kvlib.preemption import LatestArrivalPolicy, VictimCandidate
 from kvlib.sequence import Sequence
 
 HIDDEN = ("kvlib.preemption:SparingPolicy",)
-
-
-def _reference():
-    from kvlib.preemption import SparingPolicy
-    return SparingPolicy
-
+_reference = kvlibs_own(HIDDEN[0])
 
 select_victim = Task("select_victim", ("MyVictimPolicy",), HIDDEN, _reference)
 engine = Task("engine", ("MyVictimPolicy",), HIDDEN, _reference)

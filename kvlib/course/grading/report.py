@@ -48,8 +48,7 @@ class GradeReport:
         if failures:
             lines.append("\nfailed checks:")
             for task, check in failures:
-                reason = check.message if check.status == FAIL else f"{check.status}: {check.message}"
-                lines.append(f"  {task}/{check.name}: {reason}")
+                lines.append(f"  {task}/{check.name}: {check.reason}")
                 if check.hint and check.status == FAIL:
                     lines.append(f"    hint: {check.hint}")
         for title, items in (("flagged for the instructor", self.flags), ("notes", self.notes)):
@@ -62,8 +61,8 @@ class GradeReport:
         """Gradescope's ``results.json``: a test per check, with its score, maximum and what it said."""
         tests = [{"name": f"{t.task}/{c.name}", "score": c.points, "max_score": c.max_points,
                   "status": "passed" if c.status == "pass" else "failed",
-                  "output": "" if c.status == "pass" else (c.message if c.status == FAIL else f"{c.status}: {c.message}")
-                  + (f"\nhint: {c.hint}" if c.hint and c.status == FAIL else "")}
+                  "output": "" if c.status == "pass" else c.reason + (f"\nhint: {c.hint}" if c.hint and c.status == FAIL
+                                                                     else "")}
                  for t in self.tasks for c in t.checks]
         output = "\n".join([*(f"flagged: {f}" for f in self.flags), *self.notes])
         return {"score": self.points, "output": output, "tests": tests}

@@ -23,6 +23,11 @@ class CheckResult:
     def points(self) -> int:
         return self.max_points if self.status == PASS else 0
 
+    @property
+    def reason(self) -> str:
+        """Why it did not pass: a failed check's message, or the status and its message."""
+        return self.message if self.status == FAIL else f"{self.status}: {self.message}"
+
 
 @dataclass
 class TaskResult:

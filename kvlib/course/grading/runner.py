@@ -26,10 +26,10 @@ from typing import Optional
 
 from kvlib.course.grading.checks import Check, Observed, Task, observe, verdict
 from kvlib.course.grading.extract import Statement, code_cells, extract, load
-from kvlib.course.grading.fingerprint import FLAG_AT, resemblance
+from kvlib.course.grading.fingerprint import FLAG_AT, resemblance, shingles
 from kvlib.course.grading.hidden import hidden_source, hiding
 from kvlib.course.grading.report import GradeReport
-from kvlib.course.grading.results import CRASHED, NOT_GRADED, TIMED_OUT, CheckResult, TaskResult
+from kvlib.course.grading.results import NOT_GRADED, TIMED_OUT, CheckResult, TaskResult
 from kvlib.course.grading.sandbox import NOT_ISOLATED, Crashed, Limits, Sandbox, isolation
 
 LAB_NAME = re.compile(r"lab\d\d")
@@ -69,39 +69,39 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
                 seed: Optional[int] = None) -> Graded:
     """Every task of ``lab`` on the learner's code cells: observed by ``runner``, decided here."""
     seed = secrets.randbelow(2**31) if seed is None else seed
-    deadline = time.monotonic() + limits.submission_s * limits.check_scale
+    deadline = time.monotonic() + limits.budget_s
+    tasks = tasks_of(lab)
     results: dict[str, TaskResult] = {}
-    groups: dict[tuple, list[tuple[Task, list[Statement]]]] = {}
-    flags = []
-    for task in tasks_of(lab):
+    groups: dict[tuple, list[tuple[Task, list[Statement]]]] = {}  # tasks that hide the same answer share a sandbox
+    for task in tasks:
         extracted = extract(cells, task.needs)
         if extracted.problems:
             results[task.name] = task.zero(NOT_GRADED, "; ".join(extracted.problems))
             continue
         groups.setdefault(task.hidden, []).append((task, extracted.statements))
-        flags += _resemblances(task, extracted.statements)
-    for hidden, tasks in groups.items():
-        statements = _union(s for _, kept in tasks for s in kept)
+    flags = []
+    for hidden, graded in groups.items():
+        statements = _union(s for _, kept in graded for s in kept)
+        flags += _resemblances([task.name for task, _ in graded], hidden, statements)
         with runner(lab, statements, hidden, limits) as sandbox:
-            for task, _ in tasks:
+            for task, _ in graded:
                 results[task.name] = TaskResult(task.name, [_grade_check(sandbox, lab, task, check, seed, limits,
                                                                          deadline) for check in task.checks])
     notes = [NOT_ISOLATED.format(why=isolation())] if runner is Sandbox and isolation() else []
-    return Graded([results[t.name] for t in tasks_of(lab)], notes, flags)
+    return Graded([results[t.name] for t in tasks], notes, flags)
 
 
-def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limits: Limits, deadline: float) -> CheckResult:
+def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limits: Limits,
+                 deadline: float) -> CheckResult:
     left = deadline - time.monotonic()
     if left <= 0:
         return CheckResult(check.name, check.points, TIMED_OUT,
-                           f"the submission's time budget ({limits.submission_s * limits.check_scale:g} s) ran out "
-                           f"before this check")
+                           f"the submission's time budget ({limits.budget_s:g} s) ran out before this check")
     reference = reference_observation(lab, task.name, check.name, seed)
     try:
         yours = sandbox.observe(task.name, check.name, seed, min(check.limit_s * limits.check_scale, left))
     except Crashed as exc:
-        status = TIMED_OUT if str(exc).startswith("still running") else CRASHED
-        return CheckResult(check.name, check.points, status, str(exc))
+        return CheckResult(check.name, check.points, exc.status, str(exc))
     return verdict(check, yours, reference)
 
 
@@ -124,14 +124,15 @@ def _union(statements) -> list[Statement]:
     return [unique[k] for k in sorted(unique)]
 
 
-def _resemblances(task: Task, statements: list[Statement]) -> list[str]:
-    mine = "\n".join(s.source for s in statements)
+def _resemblances(task_names: list[str], hidden: tuple[str, ...], statements: list[Statement]) -> list[str]:
+    mine = shingles("\n".join(s.source for s in statements))
     flags = []
-    for entry, source in hidden_source(task.hidden).items():
+    for entry, source in hidden_source(hidden).items():
         share = resemblance(mine, source)
         if share >= FLAG_AT:
-            flags.append(f"{task.name}: the code repeats {share:.0%} of kvlib's own {entry.split(':')[1]} "
-                         f"({entry.split(':')[0]}): look before accepting it")
+            module, qualname = entry.split(":")
+            flags.append(f"{', '.join(task_names)}: the code repeats {share:.0%} of kvlib's own {qualname} "
+                         f"({module}): look before accepting it")
     return flags
 
 
@@ -217,7 +218,8 @@ def _open_notebook() -> Path:
     if session and Path(session).is_file():
         return Path(session)
     raise RuntimeError("cannot find this notebook's file (it is not open in Jupyter or Colab): pass it, "
-                       "grade_here('labs/lab02_allocator.ipynb'), or run `kvlib grade labs/labNN_topic.ipynb` in a terminal")
+                       "grade_here('labs/lab02_allocator.ipynb'), or run `kvlib grade labs/labNN_topic.ipynb` "
+                       "in a terminal")
 
 
 def mark_cell_run() -> None:

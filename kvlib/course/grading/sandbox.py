@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Optional
 from kvlib.course.grading.checks import Observed, observe
 from kvlib.course.grading.extract import Statement, load
 from kvlib.course.grading.hidden import PACKAGE, stubbed_tree
-from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED
+from kvlib.course.grading.results import CRASHED, FAIL, NOT_IMPLEMENTED, TIMED_OUT
 
 STARTUP_LIMIT_S = 120.0  # importing torch and kvlib, then defining the learner's names
 MAX_REPLY_BYTES = 8 * 2**20
@@ -47,9 +48,17 @@ class Limits:
     check_scale: float = 1.0  # multiplies every check's own time limit (a slow machine, a loaded class run)
     submission_s: float = 600.0  # wall-clock seconds all of one submission's checks may take, scaled too
 
+    @property
+    def budget_s(self) -> float:
+        return self.submission_s * self.check_scale
+
 
 class Crashed(Exception):
-    """The sandbox process died, hung or answered something that is not a reply."""
+    """The sandbox process died, hung or answered something that is not a reply; ``status`` says which."""
+
+    def __init__(self, message: str, status: str = CRASHED):
+        super().__init__(message)
+        self.status = status
 
 
 class Sandbox:
@@ -78,7 +87,7 @@ class Sandbox:
             return reply_to_observed(self._receive(limit_s))
         except TimeoutError:
             self.close()
-            raise Crashed(f"still running after {limit_s:.3g} s; look for a loop that never ends") from None
+            raise Crashed(f"still running after {limit_s:.3g} s; look for a loop that never ends", TIMED_OUT) from None
         except EOFError:
             self.close()
             raise Crashed("the process running your code died (out of memory, or a hard crash) during this check") \
@@ -102,8 +111,8 @@ class Sandbox:
 
     def _start(self) -> None:
         command, env = sandbox_command(self.tree)
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                        env=env, start_new_session=True, cwd="/")
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, env=env, start_new_session=True, cwd="/")
         self._send({"lab": self.lab, "memory_bytes": self.limits.memory_bytes,
                     "statements": [asdict(s) for s in self.statements]})
         try:
@@ -163,7 +172,8 @@ def isolation() -> Optional[str]:
         return f"{sys.platform} has no Linux namespaces"
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
-    probe = subprocess.run([*_bwrap_arguments(PACKAGE.parent), "true"], capture_output=True, text=True)
+    with tempfile.TemporaryDirectory() as empty:
+        probe = subprocess.run([*_bwrap_arguments(Path(empty)), "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"bubblewrap cannot make namespaces here: {probe.stderr.strip()[:200]}"
     return None
