@@ -426,6 +426,18 @@ def test_a_hang_costs_at_most_the_submissions_budget():
     assert took < 12 + 30, took  # the budget, plus starting two sandboxes
 
 
+def test_a_reply_nested_too_deep_to_read_fails_its_check_and_grading_goes_on():
+    """Written straight to the reply channel, a reply nested 100,000 deep made the grader's json.loads raise
+    RecursionError out of grade_cells: `kvlib grade` stopped with a traceback instead of a score."""
+    source = ("import os\nclass MyBlockAllocator:\n    def __init__(self, n):\n"
+              "        os.write(3, b'{\"status\": \"observed\", \"observation\": ' + b'[' * 100000 + b']' * 100000"
+              " + b'}\\n')\n        raise SystemExit\n")
+    graded = grade_cells("lab02", [source, TABLE], Limits(submission_s=60), seed=1)
+    first = graded.tasks[0].checks[0]
+    assert first.status == CRASHED and "nested too deep" in first.message, first
+    assert graded.tasks[1].points == 0 and graded.tasks[1].checks[0].status == NOT_IMPLEMENTED
+
+
 def test_a_crash_or_a_definition_that_raises_is_reported_per_check():
     from kvlib.course.grading import lab02
     source = "import torch\nclass MyBlockAllocator:\n    def __init__(self, n):\n        torch.empty(2**40)\n"

@@ -146,7 +146,10 @@ class Sandbox:
                 raise ValueError(f"a reply over {MAX_REPLY_BYTES} bytes")
         if line.count(b"\n") > 1:
             raise ValueError("more than one reply to one request")
-        reply = json.loads(line)
+        try:
+            reply = json.loads(line)
+        except RecursionError:
+            raise ValueError("a reply nested too deep to read") from None
         if not isinstance(reply, dict):
             raise ValueError("a reply that is not an object")
         return reply
