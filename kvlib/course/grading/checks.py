@@ -157,10 +157,16 @@ class Task:
     checks: list[Check] = field(default_factory=list)
 
     def check(self, points: int, hint: str, compare: Compare = same, limit_s: float = DEFAULT_LIMIT_S) -> Callable:
+        """Register the decorated scenario as a check named after it."""
         def register(scenario: Scenario) -> Scenario:
-            self.checks.append(Check(scenario.__name__, points, hint, scenario, compare, limit_s))
+            self.add(scenario.__name__, points, hint, scenario, compare, limit_s)
             return scenario
         return register
+
+    def add(self, name: str, points: int, hint: str, scenario: Scenario, compare: Compare = same,
+            limit_s: float = DEFAULT_LIMIT_S) -> None:
+        """Register ``scenario`` as the check ``name``: for checks made from a table's rows."""
+        self.checks.append(Check(name, points, hint, scenario, compare, limit_s))
 
     def named(self, check: str) -> Check:
         return next(c for c in self.checks if c.name == check)

@@ -14,7 +14,7 @@ from collections import Counter
 
 from kvlib.course.grading.checks import Task, raised
 from kvlib.course.grading.hidden import kvlibs_own
-from kvlib.course.grading.serving import serve_checked
+from kvlib.course.grading.serving import random_tokens, serve_checked
 
 ALLOCATOR = ("kvlib.block_allocator:BlockAllocator",)
 TABLE = tuple(f"kvlib.block_table:BlockTable.{m}" for m in ("capacity", "num_missing_blocks", "slot", "slots",
@@ -198,21 +198,17 @@ MAX_TOKENS = 10
 MAX_STEPS = 500
 
 
-def _tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(3, 253) for _ in range(count)]
-
-
 @engine.check(3, "pass the allocator checks first; parallel samples fork their prompt's blocks and prefix "
                  "caching holds blocks too: free() must drop one owner, never the block while others hold it")
 def shares_blocks(cls, rng: random.Random) -> dict:
-    system = _tokens(rng, 12)
-    return _serve(cls, SHARING, [system + _tokens(rng, 2 + i) for i in range(4)], n=3)
+    system = random_tokens(rng, 12)
+    return _serve(cls, SHARING, [system + random_tokens(rng, 2 + i) for i in range(4)], n=3)
 
 
 @engine.check(2, "under memory pressure the engine swaps and recomputes; it needs exact free counts, and every "
                  "block must be free again once all requests finish")
 def serves_under_pressure(cls, rng: random.Random) -> dict:
-    return _serve(cls, PRESSURE, [_tokens(rng, 5 + i) for i in range(6)], n=1)
+    return _serve(cls, PRESSURE, [random_tokens(rng, 5 + i) for i in range(6)], n=1)
 
 
 def _serve(make_allocator, config: dict, prompts: list, n: int) -> dict:

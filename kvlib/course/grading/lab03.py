@@ -19,6 +19,7 @@ import kvlib
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend
 from kvlib.course.grading.checks import Task, close, expect
+from kvlib.course.grading.serving import random_tokens
 
 HIDDEN = ("kvlib.kernels.paged_decode:*", "kvlib.kernels.paged_prefill:*", "kvlib.kernels.attention_tiles:attend_tile",
           "kvlib.kernels.attention_tiles:load_block_ids", "kvlib.attention.torch_backend:paged_attention_reference",
@@ -236,7 +237,7 @@ def _serve(decode, rng: random.Random, spans, block_size: int, dtype: str, score
     backend = LearnerDecodeBackend(decode, score_factor, cause)
     llm = LLM("default", EngineConfig(block_size=block_size, num_gpu_blocks=128, device=DEVICE, dtype=dtype),
               attention_backend=backend, verbose=False)
-    outs = llm.generate([[rng.randrange(3, 253) for _ in range(rng.randint(*span))] for span in spans],
+    outs = llm.generate([random_tokens(rng, rng.randint(*span)) for span in spans],
                         SamplingParams(max_tokens=4, ignore_eos=True))
     expect(backend.calls, "the engine never called the launcher: no decode-only step ran")
     return {**backend.calls, "tokens each prompt generated": [out.token_ids for out in outs]}
@@ -244,6 +245,5 @@ def _serve(decode, rng: random.Random, spans, block_size: int, dtype: str, score
 
 for _task, _rows, _run in ((kernel, KERNEL_CHECKS, _observe), (engine, ENGINE_CHECKS, _serve)):
     for _name, _points, _hint, _compare, *_args in _rows:  # a check: its row's decode steps, or its engine workload
-        _scenario = (lambda run, args: lambda decode, rng: run(decode, rng, *args))(_run, _args)
-        _scenario.__name__ = _name
-        _task.check(_points, _hint, _compare)(_scenario)
+        _task.add(_name, _points, _hint, (lambda run, args: lambda decode, rng: run(decode, rng, *args))(_run, _args),
+                  _compare)

@@ -15,7 +15,7 @@ from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.course.grading.checks import FEEDBACK_SEED, CheckFailed, Task, expect
 from kvlib.course.grading.hidden import hiding, kvlibs_own
-from kvlib.course.grading.serving import serve_checked
+from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.invariants import InvariantError, check_invariants
 from kvlib.sequence import SequenceStatus
 
@@ -121,10 +121,6 @@ SCENARIOS = {
 MAX_MODEL_FREE_STEPS = 200
 
 
-def _tokens(rng: random.Random, count: int) -> list[int]:
-    return [rng.randrange(3, 253) for _ in range(count)]
-
-
 def _label(seq) -> str:
     return seq.request_id if seq.sample_index == 0 else f"{seq.request_id}/{seq.sample_index}"
 
@@ -142,7 +138,7 @@ def _plans(scheduler_cls, name: str, rng: random.Random, steps: int = MAX_MODEL_
     for step in range(1, steps + 1):
         for order, (at, label, prompt, max_tokens, n, *arrival) in enumerate(requests):
             if at == step:
-                tokens = list(prompt) if isinstance(prompt, tuple) else _tokens(rng, prompt)
+                tokens = list(prompt) if isinstance(prompt, tuple) else random_tokens(rng, prompt)
                 e.add(label, Request(tokens, max_tokens, n=n, arrival=offset + (arrival or [step + order / 100])[0]))
         if not e.has_unfinished() and all(at < step for at, *_ in requests):
             return plans
@@ -180,8 +176,7 @@ def _model_free(task: Task, points: int, hint: str, scenario: str) -> None:
         plans = _plans(other(cls), scenario, rng)
         return {**{f"{scenario}, step {i + 1}: tokens each sequence computes": p for i, p in enumerate(plans)},
                 f"{scenario}: steps until every request finished": len(plans)}
-    observe.__name__ = scenario
-    task.check(points, hint)(observe)
+    task.add(scenario, points, hint, observe)
 
 
 for _task, _points, _scenario, _hint in [
@@ -224,15 +219,16 @@ MAX_STEPS = 400
 @engine.check(3, "pass the model-free checks first; in the engine, a chunked prompt must continue exactly where "
                  "it stopped and a recomputed sequence resume from its first uncomputed token")
 def serves_chunked_prefills_and_recomputation(cls, rng: random.Random) -> dict:
-    prompts = [_tokens(rng, 5 + 5 * i) for i in range(6)]
+    prompts = [random_tokens(rng, 5 + 5 * i) for i in range(6)]
     return _serve(cls, CHUNKED, prompts, [SamplingParams(max_tokens=10, ignore_eos=True)] * 6)
 
 
 @engine.check(3, "pass the model-free checks first; swapped sequences resume before newer ones, samples take "
                  "their places from admission on, and prefix hits are computed tokens")
 def serves_swaps_samples_and_prefix_hits(cls, rng: random.Random) -> dict:
-    system = _tokens(rng, 12)
-    prompts = [system + _tokens(rng, 3 + 4 * i) if i % 2 == 0 else _tokens(rng, 6 + 3 * i) for i in range(6)]
+    system = random_tokens(rng, 12)
+    prompts = [system + random_tokens(rng, 3 + 4 * i) if i % 2 == 0 else random_tokens(rng, 6 + 3 * i)
+               for i in range(6)]
     params = [SamplingParams(max_tokens=12, n=2 if i in (1, 4) else 1, ignore_eos=True) for i in range(6)]
     return _serve(cls, SWAP, prompts, params)
 

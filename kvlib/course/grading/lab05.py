@@ -19,7 +19,7 @@ from typing import Callable
 from kvlib.block_allocator import BlockAllocator, BlockAllocatorError
 from kvlib.course.grading.checks import Task, expect, raised
 from kvlib.course.grading.hidden import kvlibs_own
-from kvlib.course.grading.serving import serve_checked
+from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.course.grading.workloads import Arrival, serve_timed
 
 HIDDEN = ("kvlib.sharing:BlockSharing",)
@@ -167,7 +167,7 @@ MAX_STEPS = 500
 
 
 def _prompts(rng: random.Random, lengths) -> list[list[int]]:
-    return [[rng.randrange(3, 253) for _ in range(length)] for length in lengths]
+    return [random_tokens(rng, length) for length in lengths]
 
 
 def _lengths(rng: random.Random) -> list[int]:

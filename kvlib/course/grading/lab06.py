@@ -14,7 +14,7 @@ from kvlib.block_allocator import BlockAllocator
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
-from kvlib.course.grading.serving import serve_checked
+from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.sequence import Sequence
 
 HIDDEN = {name: f"kvlib.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
@@ -228,8 +228,8 @@ MAX_STEPS = 500
 def _serve(cls, rng: random.Random, check: str) -> dict:
     from kvlib import LLM, EngineConfig
     _, config, counters, _ = WORKLOADS[check]
-    system = [rng.randrange(3, 253) for _ in range(12 if config.get("partial_preemption") else 0)]
-    prompts = [system + [rng.randrange(3, 253) for _ in range(2 + 3 * i if system else 6 + 3 * i)]
+    system = random_tokens(rng, 12 if config.get("partial_preemption") else 0)
+    prompts = [system + random_tokens(rng, 2 + 3 * i if system else 6 + 3 * i)
                for i in range(5 if system else 6)]
     params = [SamplingParams(max_tokens=16 if system else 10, n=2 if system and i in (1, 3) else 1, ignore_eos=True)
               for i in range(len(prompts))]
@@ -240,6 +240,4 @@ def _serve(cls, rng: random.Random, check: str) -> dict:
 
 
 for _name, (_points, _, _, _hint) in WORKLOADS.items():
-    _scenario = partial(_serve, check=_name)
-    _scenario.__name__ = _name
-    engine.check(_points, _hint)(_scenario)
+    engine.add(_name, _points, _hint, partial(_serve, check=_name))

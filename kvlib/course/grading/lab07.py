@@ -15,6 +15,7 @@ from typing import Any, Optional
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, expect, same
 from kvlib.course.grading.hidden import kvlibs_own
+from kvlib.course.grading.serving import random_tokens
 from kvlib.course.grading.workloads import Arrival, serve_timed
 from kvlib.preemption import LatestArrivalPolicy, VictimCandidate
 from kvlib.sequence import Sequence
@@ -97,8 +98,7 @@ def _cost_check(name: str, points: int, hint: str, shortfalls: tuple, cases) -> 
         drawn = [(_candidates(rng, *case[:3]), case[3]) for case in cases(rng, rng.randint(*shortfalls))]
         return {f"[{_describe(c, s)}]: victims taken, requester stalled": [len(v), v[-1].is_requester]
                 for c, s in drawn for v in [replay(cls(), c, s)]}
-    scenario.__name__ = name
-    select_victim.check(points, hint, compare=no_costlier)(scenario)
+    select_victim.add(name, points, hint, scenario, compare=no_costlier)
 
 
 _cost_check("one_victim_when_one_suffices", 1, "a victim gives at most its unique tail; one that leaves blocks missing "
@@ -147,7 +147,7 @@ def _arrivals(workload: str, seed: int) -> list[Arrival]:
     before them (queued upstream) join at steps 6, 14, 22 and are prefilled first, in a full pool."""
     _, single, system_length, long = WORKLOADS[workload]
     rng = random.Random(seed)
-    tokens = lambda n: tuple(rng.randrange(3, 253) for _ in range(n))  # noqa: E731
+    tokens = lambda n: tuple(random_tokens(rng, n))  # noqa: E731
     system, decoding = tokens(system_length), SamplingParams(max_tokens=32, ignore_eos=True)
     return [Arrival(0, system + tokens(single), decoding, 100.0 + i, f"single-{i}") for i in range(3)] + [
         Arrival(0, tokens(28), SamplingParams(max_tokens=32, n=3, ignore_eos=True), 100.0 + i, f"samples-{i}")

@@ -14,7 +14,7 @@ import torch
 from kvlib import LLM, EngineConfig, SamplingParams, cost_probe
 from kvlib.cost_model import PreemptionCostModel as Cost, attention_pairs
 from kvlib.course.grading.checks import Task, close, expect, same
-from kvlib.course.grading.serving import serve_checked
+from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.preemption import LatestArrivalPolicy, PreemptionContext, VictimCandidate
 from kvlib.sequence import Sequence
 
@@ -139,8 +139,7 @@ def _register(task: Task, run, rows: list, compare=same) -> None:
     for name, points, hint, *arguments in rows:
         def scenario(piece, rng: random.Random, arguments: tuple = tuple(arguments)):
             return run(piece, rng, *arguments)
-        scenario.__name__ = name
-        task.check(points, hint, compare)(scenario)
+        task.add(name, points, hint, scenario, compare)
 
 
 _register(fit_swap, _copy_fits, [
@@ -228,7 +227,7 @@ _register(choose_mode, _modes, [
 # ---- engine ------------------------------------------------------------------------------------
 def _serve(policy_cls, rng: random.Random, cost: Cost, num_cpu_blocks: int) -> dict:
     """Six drawn prompts that grow to 36 blocks or more in a pool of 12, served with ``policy_cls(cost)``."""
-    prompts = [[rng.randrange(3, 253) for _ in range(rng.randint(5, 10))] for _ in range(6)]
+    prompts = [random_tokens(rng, rng.randint(5, 10)) for _ in range(6)]
     config = EngineConfig(block_size=4, num_gpu_blocks=12, num_cpu_blocks=num_cpu_blocks, preemption_mode="auto",
                           watermark=0.0, device="cpu")
     llm = LLM("default", config, preemption_policy=policy_cls(cost), verbose=False)

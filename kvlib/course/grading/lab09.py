@@ -13,6 +13,7 @@ from typing import Optional
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, close, expect
+from kvlib.course.grading.serving import random_tokens
 from kvlib.course.grading.workloads import Arrival, Watched, replay_run, replay_watched, serve_watched, step_record
 from kvlib.metrics import EngineMetrics, RequestMetrics
 
@@ -204,8 +205,7 @@ LATE_START, MAX_STEPS = 30, 2000
 def _workload(name: str, seed: int) -> tuple[dict, list[Arrival]]:
     """16 requests growing to 8 blocks at once; 24 short, then 16 long at step 30; 40, one in six long."""
     rng = random.Random(seed)
-    prompt, grows = (lambda: tuple(rng.randrange(3, 253) for _ in range(8))), (lambda n: SamplingParams(
-        max_tokens=n, ignore_eos=True))
+    prompt, grows = (lambda: tuple(random_tokens(rng, 8))), (lambda n: SamplingParams(max_tokens=n, ignore_eos=True))
     arrivals = {"oversubscribed": (burst := [Arrival(0, prompt(), grows(24)) for _ in range(16)]), "roomy": burst,
                 "late": [Arrival(i, prompt(), grows(4)) for i in range(24)]
                 + [Arrival(LATE_START, prompt(), grows(24)) for _ in range(16)],

@@ -14,7 +14,7 @@ from kvlib.block_allocator import BlockAllocator
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import CheckFailed, Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
-from kvlib.course.grading.serving import serve_checked
+from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.prefix_cache import CachedBlock
 
 HIDDEN = ("kvlib.prefix_cache:HostPrefixTier",)
@@ -78,7 +78,7 @@ def _filled(cls, rng: random.Random, count: int, num_blocks: int = 16, others: i
         pool.allocate()
     kept, entries = checked(cls)(pool), []
     for name in rng.sample(range(1, 2**62), count):
-        entries.append((name, tuple(rng.randrange(3, 253) for _ in range(4)), pool.allocate()))
+        entries.append((name, tuple(random_tokens(rng, 4)), pool.allocate()))
         kept.put(*entries[-1][:2], entries[-1][2])
     return pool, kept, entries
 
@@ -200,18 +200,14 @@ MAX_STEPS = 500
 HOST_HITS = "prompt tokens found on the host tier (metrics.prefix_cache_host_hit_tokens)"
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, 253) for _ in range(n)]
-
-
 @engine.check(3, "pass the tier checks first; a returning conversation finds its evicted prefix through lookup, "
                  "and its blocks are copied back instead of recomputed")
 def copies_a_returning_conversation_back(cls, rng: random.Random) -> dict:
     # A 40-token conversation, four 40-token requests that evict it from the 32-block device pool, then
     # the conversation returns with its reply and 8 new tokens.
-    talk = _tokens(rng, 40)
-    seen = _serve(cls, 48, [([talk], LONG), ([_tokens(rng, 40) for _ in range(4)], SHORT),
-                            ([lambda outs: talk + outs[0][0][0] + _tokens(rng, 8)], LONG)])
+    talk = random_tokens(rng, 40)
+    seen = _serve(cls, 48, [([talk], LONG), ([random_tokens(rng, 40) for _ in range(4)], SHORT),
+                            ([lambda outs: talk + outs[0][0][0] + random_tokens(rng, 8)], LONG)])
     expect(seen[HOST_HITS] > 0,
            "the returning conversation found nothing on the host tier")
     return seen
@@ -222,10 +218,10 @@ def copies_a_returning_conversation_back(cls, rng: random.Random) -> dict:
 def evicts_under_pressure(cls, rng: random.Random) -> dict:
     # Two conversations, traffic, one returns, more traffic, both return: the 24-block host pool cannot keep
     # everything, so the tier evicts, sometimes while it copies blocks back.
-    a, b = _tokens(rng, 40), _tokens(rng, 40)
-    traffic = [([_tokens(rng, 40) for _ in range(3)], SHORT) for _ in range(2)]
-    return _serve(cls, 24, [([a, b], SHORT), traffic[0], ([a + _tokens(rng, 4)], SHORT), traffic[1],
-                            ([b + _tokens(rng, 4), a + _tokens(rng, 4)], SHORT)])
+    a, b = random_tokens(rng, 40), random_tokens(rng, 40)
+    traffic = [([random_tokens(rng, 40) for _ in range(3)], SHORT) for _ in range(2)]
+    return _serve(cls, 24, [([a, b], SHORT), traffic[0], ([a + random_tokens(rng, 4)], SHORT), traffic[1],
+                            ([b + random_tokens(rng, 4), a + random_tokens(rng, 4)], SHORT)])
 
 
 def _serve(tier_cls, host_blocks: int, phases: list) -> dict:

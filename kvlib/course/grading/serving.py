@@ -6,6 +6,12 @@ import itertools
 from kvlib.course.grading.checks import CheckFailed
 
 _ids = itertools.count()  # request ids unique across calls on one engine
+TOKENS = range(3, 253)  # token ids a prompt of the default model is drawn from
+
+
+def random_tokens(rng, count: int) -> list[int]:
+    """A prompt of ``count`` token ids drawn from ``rng``."""
+    return [rng.randrange(TOKENS.start, TOKENS.stop) for _ in range(count)]
 
 
 def serve_checked(llm, prompts: list, params, max_steps: int) -> list:
