@@ -3,7 +3,8 @@
 The bugs are test data (``tests/lab_bugs/labNN.py``): edits of the solution notebook, each with
 the checks it must fail. Graded in this process (the same extraction and checks as ``kvlib
 grade``, without the sandbox, whose isolation ``tests/test_grading.py`` covers), so the whole
-suite stays fast.
+suite stays fast; a bug that reads out of bounds, and may crash the process running it, is graded
+in the sandbox.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from kvlib.course.grading.results import NOT_IMPLEMENTED, PASS
 from kvlib.course.grading.runner import InProcess, grade_cells, lab_of
+from kvlib.course.grading.sandbox import Sandbox
 from kvlib.course.labs import remove_hidden_tests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +58,8 @@ def _bugs():
 
 @pytest.mark.parametrize("solution, bug", _bugs())
 def test_a_realistic_bug_loses_the_points_of_what_it_breaks(solution, bug):
-    results = grade_cells(lab_of(solution), cells_of(solution, bug.edits), runner=InProcess)
+    runner = Sandbox if bug.sandboxed else InProcess
+    results = grade_cells(lab_of(solution), cells_of(solution, bug.edits), runner=runner)
     lost = failed(results)
     assert bug.fails <= lost, f"expected {sorted(bug.fails)} to fail, failed: {sorted(lost)}"
     assert all(c.message for t in results.tasks for c in t.checks if c.status != PASS)

@@ -14,7 +14,9 @@ class Bug:
     name: str
     edits: tuple[tuple[str, str], ...]
     fails: frozenset[str]  # "task/check" names that must fail (others may fail too)
+    # Reads out of bounds, so it may crash the process running it: graded in the sandbox, as `kvlib grade` does.
+    sandboxed: bool = False
 
 
-def bug(name: str, edits: list[tuple[str, str]], *fails: str) -> Bug:
-    return Bug(name, tuple(edits), frozenset(fails))
+def bug(name: str, edits: list[tuple[str, str]], *fails: str, sandboxed: bool = False) -> Bug:
+    return Bug(name, tuple(edits), frozenset(fails), sandboxed)
