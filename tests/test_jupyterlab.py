@@ -76,6 +76,7 @@ def fail_on_dialog(page, when: str) -> None:
     dialog = page.locator(".jp-Dialog")
     if dialog.count() and "Select Kernel" in dialog.first.inner_text():
         dialog.locator(".jp-Dialog-button.jp-mod-accept").first.click()
+        dialog.first.wait_for(state="detached", timeout=30_000)  # it closes a moment after the click
         page.get_by_text("Kernel status: Idle").first.wait_for(state="attached", timeout=120_000)
     if dialog.count():
         page.screenshot(path=str(SCREENSHOTS / "dialog.png"))
