@@ -1,15 +1,15 @@
 """Lab 03 checks: the learner's Triton paged decode kernel on random paged caches, then inside the engine.
 
-Every call of the launcher runs under a ``launch_log``: only a ``@triton.jit`` kernel of the notebook's own,
-computing from the inputs alone, can score. Outputs are compared with kvlib's fast torch decode on decode steps
-built as the engine passes them (strided views of a 6-d pool, tables padded with 0, stale data in unused slots),
-then on every decode step of the real engine. Shapes stay small for the Triton interpreter.
+Every launcher call runs under a ``launch_log``: only a ``@triton.jit`` kernel of the notebook's own, computing
+from the inputs alone, can score. Outputs are compared with kvlib's fast torch decode on steps built as the engine
+builds them (views of a 6-d pool, tables padded with 0, stale slots), then in the engine; small shapes throughout.
 """
 from __future__ import annotations
 
 import os
 import random
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,9 +122,9 @@ def call_checked(decode, query, k_cache, v_cache, block_tables, context_lens, sc
 
 
 def make_case(rng: random.Random, lens: list[int], block_size: int, group: int = 1, dtype=torch.float32,
-              shuffle: bool = True, query_scale: float = 1.0, below: float = 0.0, pad: int = 1):
-    """A decode step (query, caches, tables, lengths) and its label: random data in every slot, blocks a random
-    permutation of the pool (``shuffle``) or in order, ``pad`` columns of 0, every score near -``below``."""
+              shuffle: bool = True, query_scale: float = 1.0, below: float = 0.0, pad: int = 1, rising: bool = False):
+    """A decode step (query, caches, tables, lengths) and its label: random data in every slot, blocks shuffled
+    (``shuffle``), ``pad`` columns of 0, every score near -``below``, each last key scoring highest (``rising``)."""
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     needed = [-(-n // block_size) for n in lens]
     num_blocks = sum(needed) + (2 if shuffle else 0)
@@ -137,6 +137,8 @@ def make_case(rng: random.Random, lens: list[int], block_size: int, group: int =
     if below:  # one coordinate of every query is a and of every key -a: scores of -a * a * SCALE, plus noise
         dim, a = rng.randrange(HEAD_DIM), round((below / SCALE) ** 0.5)
         query[..., dim], pool[:, LAYER, 0, ..., dim] = a, -a
+    for i, n in enumerate(lens if rising else []):  # its last key along its query: a score of |q|^2 * SCALE, ~6
+        pool[int(tables[i, (n - 1) // block_size]), LAYER, 0, (n - 1) % block_size] = query[i, ::group]
     pool = pool.to(dtype=dtype, device=DEVICE)
     label = (f"context_lens={lens}, block_size={block_size}, {KV_HEADS * group} query heads over {KV_HEADS} kv "
              f"heads, {str(dtype).removeprefix('torch.')}" + (f", scores near {-below:.0f}" if below else ""))
@@ -171,7 +173,7 @@ KERNEL_CHECKS = [
      lambda rng: [make_case(rng, _lens(rng, 2, (5, 24)), 4, group) for group in (2, 4, rng.choice([3, 8]))]),
     ("long_context", 1, "when a tile raises the running maximum, what you accumulated so far was scaled for the old "
      "maximum: rescale both the running sum and the accumulator before adding the tile's share", CLOSE[F32],
-     lambda rng: [make_case(rng, [rng.randint(250, 330), rng.randint(70, 128)], 16)]),
+     lambda rng: [make_case(rng, [rng.randint(250, 330), rng.randint(70, 128)], 16, rising=True)]),
     ("large_scores", 1, "subtract the running maximum before exponentiating: exp of a score above about 88 is inf "
      "in float32 (above about 11 in float16)", CLOSE[F32],
      lambda rng: [make_case(rng, [rng.randint(9, 20), rng.randint(1, 8)], 8, query_scale=100.0)]),
@@ -184,7 +186,7 @@ KERNEL_CHECKS = [
 ]
 
 
-def _observe(decode, rng: random.Random, cases) -> dict:
+def _observe(cases, decode, rng: random.Random) -> dict:
     """What the launcher returns on each decode step: its dtype, then each sequence's rows."""
     seen = {}
     for inputs, label in cases(rng):
@@ -232,7 +234,7 @@ class LearnerDecodeBackend(TorchAttentionBackend):
         return got
 
 
-def _serve(decode, rng: random.Random, spans, block_size: int, dtype: str, score_factor: float, cause: str) -> dict:
+def _serve(spans, block_size: int, dtype: str, score_factor: float, cause: str, decode, rng: random.Random) -> dict:
     from kvlib import LLM, EngineConfig, SamplingParams  # every decode call's output, then the tokens generated
     backend = LearnerDecodeBackend(decode, score_factor, cause)
     llm = LLM("default", EngineConfig(block_size=block_size, num_gpu_blocks=128, device=DEVICE, dtype=dtype),
@@ -245,5 +247,4 @@ def _serve(decode, rng: random.Random, spans, block_size: int, dtype: str, score
 
 for _task, _rows, _run in ((kernel, KERNEL_CHECKS, _observe), (engine, ENGINE_CHECKS, _serve)):
     for _name, _points, _hint, _compare, *_args in _rows:  # a check: its row's decode steps, or its engine workload
-        _task.add(_name, _points, _hint, (lambda run, args: lambda decode, rng: run(decode, rng, *args))(_run, _args),
-                  _compare)
+        _task.add(_name, _points, _hint, partial(_run, *_args), _compare)
