@@ -125,12 +125,16 @@ class EngineMetrics:
         return out
 
     def plot(self, path: Optional[str] = None, ax=None, x: str = "step"):
-        """Draw GPU and CPU KV usage per step (``x="seconds"``: against time), preemptions marked."""
-        import matplotlib
+        """Draw GPU and CPU KV usage per step (``x="seconds"``: against time), preemptions marked.
+
+        With a ``path`` and no ``ax`` the plot is drawn on a ``Figure`` of its own and saved, outside
+        pyplot: a notebook's backend and its open figures stay as they were.
+        """
         if ax is None and path is not None:
-            matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
-        if ax is None:
+            from matplotlib.figure import Figure
+            ax = Figure(figsize=(8, 3.5)).subplots()
+        elif ax is None:
+            import matplotlib.pyplot as plt
             _, ax = plt.subplots(figsize=(8, 3.5))
         timeline = self.timeline
         start = timeline[0].end_time - timeline[0].time if timeline else 0.0

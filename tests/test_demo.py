@@ -11,3 +11,21 @@ def test_the_demo_preempts_and_writes_its_timeline_and_pool_view(tmp_path, capsy
     assert summary["num_finished"] == 6 and summary["num_preemptions"] > 0
     assert "preemption report" in out and "sample completions" in out
     assert (tmp_path / "timeline.png").stat().st_size > 0 and (tmp_path / "pool.png").stat().st_size > 0
+
+
+def test_plotting_the_timeline_to_a_file_leaves_the_backend_and_pyplot_alone(tmp_path):
+    """Lesson 00 lost every later plot once the demo saved its timeline: saving switched the backend to Agg."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+    from kvlib import LLM, EngineConfig, SamplingParams
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a backend of the notebook's own, which saving a file must not replace
+    try:
+        llm = LLM("default", EngineConfig(block_size=8, num_gpu_blocks=16))
+        llm.generate(["The KV cache is"], SamplingParams(max_tokens=4))
+        figures = plt.get_fignums()
+        llm.metrics.plot(str(tmp_path / "timeline.png"))
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == figures
+        assert (tmp_path / "timeline.png").stat().st_size > 0
+    finally:
+        matplotlib.use(before)

