@@ -13,8 +13,7 @@ def read_gguf(path: Path):
     try:
         import gguf
     except ImportError:
-        raise ImportError(f"reading {path} needs the gguf package: pip install \"kvlib[smollm2]\" "
-                          f"(or pip install gguf)") from None
+        raise ImportError(f"reading {path} needs the gguf package: pip install \"gguf>=0.19\"") from None
     try:
         return gguf.GGUFReader(path)
     except Exception as err:  # the reader raises ValueError, KeyError or struct errors on a damaged file
