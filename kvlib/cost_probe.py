@@ -202,28 +202,41 @@ class VictimTiming:
     recompute_seconds: float  # what its prefill added to a pass carrying the decode batch
 
 
+def victim_calls(runner, num_tokens: int, batch: int = 4, batch_context: int = 64,
+                 rng: Optional[random.Random] = None) -> dict[str, Callable[[], object]]:
+    """The calls that price one victim in ``runner``'s own pools, for timing side by side.
+
+    ``"batch"``: the decode pass the step runs anyway (``batch`` sequences of ``batch_context``
+    cached tokens); ``"swap"``: the victim's blocks, scattered over the device pool, copied to the
+    host pool and back, one batched copy each way; ``"batch with the victim"``: the victim's prefill
+    packed into the batch's pass, whose cost is what it adds to ``"batch"``.
+    """
+    rng = rng or random.Random(0)
+    gpu, cpu = runner.gpu_pool, runner.cpu_pool
+    decode = [(1, batch_context)] * batch
+    num_blocks = -(-num_tokens // gpu.spec.block_size)
+    device_ids, host_ids = rng.sample(range(gpu.num_blocks), num_blocks), rng.sample(range(cpu.num_blocks), num_blocks)
+
+    def swap():
+        copy_blocks_between(gpu, cpu, device_ids, host_ids)
+        copy_blocks_between(cpu, gpu, host_ids, device_ids)
+    return {"batch": forward_pass(runner.model, gpu, runner.backend, decode), "swap": swap,
+            "batch with the victim": forward_pass(runner.model, gpu, runner.backend, decode + [(num_tokens, 0)])}
+
+
 def time_victims(runner, lengths: list[int], batch: int = 4, batch_context: int = 64, repeats: int = REPEATS,
                  min_seconds: float = MIN_SECONDS, seed: int = 0) -> list[VictimTiming]:
     """Preempt victims of each length both ways in ``runner``'s own pools, in turns with the decode batch alone.
 
     The decode batch is ``batch`` sequences of ``batch_context`` cached tokens; a victim's recompute
-    is its prefill packed into that batch's pass, minus the pass without it.
+    is its prefill packed into that batch's pass, minus the pass without it (:func:`victim_calls`).
     """
     rng = random.Random(seed)
-    gpu, cpu, device = runner.gpu_pool, runner.cpu_pool, runner.device
-    decode = [(1, batch_context)] * batch
-    fns = [forward_pass(runner.model, gpu, runner.backend, decode)]
-    blocks = [-(-n // gpu.spec.block_size) for n in lengths]
-    for n, num_blocks in zip(lengths, blocks):
-        device_ids = rng.sample(range(gpu.num_blocks), num_blocks)
-        host_ids = rng.sample(range(cpu.num_blocks), num_blocks)
-
-        def swap(device_ids=device_ids, host_ids=host_ids):
-            copy_blocks_between(gpu, cpu, device_ids, host_ids)
-            copy_blocks_between(cpu, gpu, host_ids, device_ids)
-        fns += [swap, forward_pass(runner.model, gpu, runner.backend, decode + [(n, 0)])]
-    times = best_in_turns(fns, device, repeats, min_seconds)
+    calls = [victim_calls(runner, n, batch, batch_context, rng) for n in lengths]
+    fns = [calls[0]["batch"]] + [c[name] for c in calls for name in ("swap", "batch with the victim")]
+    times = best_in_turns(fns, runner.device, repeats, min_seconds)
     alone = times[0]
+    blocks = [-(-n // runner.gpu_pool.spec.block_size) for n in lengths]
     return [VictimTiming(n, b, swap_s, with_victim - alone)
             for n, b, swap_s, with_victim in zip(lengths, blocks, times[1::2], times[2::2])]
 
