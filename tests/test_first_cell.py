@@ -1,8 +1,10 @@
-"""The notebooks' first cell outside a clone: it installs kvlib once, from the configured source, then reuses it.
+"""The notebooks' first cell outside a clone: it installs kvlib once, from the configured source, then reuses it,
+and with no source it stops and says where to put one.
 
-The test builds a wheel of this checkout and runs the first cell in a fresh folder, in a Python
-that cannot see the development install, with ``KVLIB_SOURCE`` pointing at the wheel: as a
-learner's Colab runtime would, except that pip installs into a folder of the test (``PIP_TARGET``).
+The tests run the first cell in a fresh folder, in a Python that cannot see the development
+install: with ``KVLIB_SOURCE`` pointing at a wheel of this checkout, as a learner's Colab runtime
+would, except that pip installs into a folder of the test (``PIP_TARGET``); and with nothing.
+tests/test_fresh_install.py runs whole lessons from the workshop kit in a fresh environment.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvlib.course.notebook_setup import FIRST_CELL
+from kvlib.cli.kit import build_wheel
+from kvlib.course.notebook_setup import FIRST_CELL, WHEEL_PATTERN
 
 ROOT = Path(__file__).resolve().parents[1]
 WITHOUT_THE_DEV_INSTALL = ("import sys\n"
@@ -20,10 +23,7 @@ WITHOUT_THE_DEV_INSTALL = ("import sys\n"
 
 
 def test_the_first_cell_installs_kvlib_from_the_configured_source_once(tmp_path):
-    wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
-                    str(ROOT)], check=True, capture_output=True)
-    [wheel] = wheels.glob("kvlib-*.whl")
+    wheel = build_wheel(ROOT, tmp_path / "wheels")
     site, work = tmp_path / "site", tmp_path / "work"
     work.mkdir()
     env = {**os.environ, "KVLIB_SOURCE": str(wheel), "PIP_TARGET": str(site), "PIP_NO_DEPS": "1",
@@ -35,3 +35,13 @@ def test_the_first_cell_installs_kvlib_from_the_configured_source_once(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(f"installing kvlib from {wheel}") == 1  # the second run found it installed
     assert f"loaded {site}" in result.stdout and "attention backend" in result.stdout
+
+
+def test_the_first_cell_with_no_source_and_no_wheel_says_where_to_put_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "KVLIB_SOURCE"}
+    result = subprocess.run([sys.executable, "-c", WITHOUT_THE_DEV_INSTALL + FIRST_CELL], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "installing" not in result.stdout
+    message = " ".join(result.stderr.split())
+    assert f"Upload the workshop kit's kvlib wheel ({WHEEL_PATTERN}) to {tmp_path}" in message, result.stderr
+    assert "set KVLIB_SOURCE" in message

@@ -1,4 +1,4 @@
-"""The ``kvlib`` command: demo, bench, grade, make-labs."""
+"""The ``kvlib`` command: demo, bench, grade, make-labs, make-kit."""
 from __future__ import annotations
 
 import argparse
@@ -75,19 +75,39 @@ def _make_labs(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvlib", description="A paged-KV inference engine and its course.")
-    commands = parser.add_subparsers(dest="command", required=True)
+class DescribedDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its description, and the description's own line breaks kept."""
 
-    demo = commands.add_parser("demo", help="serve a workload through a small KV pool and report preemptions")
-    defaults = {f.name: f.default for f in fields(__import__("kvlib.cli.demo", fromlist=["DemoOptions"]).DemoOptions)}
-    for name, default in defaults.items():
-        choices = ("recompute", "swap", "auto") if name == "preemption_mode" else None
-        demo.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(default), default=default, choices=choices)
+
+def _make_kit(args) -> int:
+    from pathlib import Path
+
+    from kvlib.cli.kit import NotAClone, handout, make_kit
+    try:
+        wheel, notebooks = make_kit(Path(args.out))
+    except NotAClone as exc:
+        print(f"kvlib make-kit: {exc}", file=sys.stderr)
+        return 2
+    print(handout(wheel, notebooks))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvlib.cli import demo as demo_module
+    parser = argparse.ArgumentParser(prog="kvlib", description="A paged-KV inference engine and its course.")
+    commands = parser.add_subparsers(dest="command", required=True, help="what to run")
+
+    demo = commands.add_parser("demo", help="serve a workload through a small KV pool and report preemptions",
+                               description=demo_module.ABOUT,
+                               formatter_class=DescribedDefaults)
+    for option in fields(demo_module.DemoOptions):
+        choices = ("recompute", "swap", "auto") if option.name == "preemption_mode" else None
+        demo.add_argument(f"--{option.name.replace('_', '-')}", dest=option.name, type=type(option.default),
+                          default=option.default, choices=choices, help=option.metadata["help"])
     demo.set_defaults(run=_demo)
 
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
-    bench.add_argument("name", choices=BENCHES + ("all",))
+    bench.add_argument("name", choices=BENCHES + ("all",), help="which benchmark (all: each in turn)")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see kvlib bench NAME --help)")
     bench.set_defaults(run=_bench)
 
@@ -105,9 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     grade.set_defaults(run=_grade)
 
     labs = commands.add_parser("make-labs", help="generate labs/ from solutions/")
-    labs.add_argument("--solutions", default="solutions")
-    labs.add_argument("--labs", default="labs")
+    labs.add_argument("--solutions", default="solutions", help="the folder of instructor notebooks to read")
+    labs.add_argument("--labs", default="labs", help="the folder of student labs to replace")
     labs.set_defaults(run=_make_labs)
+
+    kit = commands.add_parser("make-kit", help="build the workshop kit: kvlib's wheel beside the lessons and labs")
+    kit.add_argument("out", help="the folder to write the kit into (created if missing)")
+    kit.set_defaults(run=_make_kit)
     return parser
 
 

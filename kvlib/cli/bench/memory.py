@@ -256,15 +256,22 @@ def kv_bytes_rows(dtype: torch.dtype = torch.float16) -> list[dict]:
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvlib bench memory``."""
+    parser = argparse.ArgumentParser(prog="kvlib bench memory", description=__doc__.splitlines()[0])
+    parser.add_argument("--num-requests", type=int, default=1000, help="ShareGPT-like requests served")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block of the paged scheme")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request lengths")
+    parser.add_argument("--max-len", type=int, default=2048,
+                        help="the model's context: the longest request, and what a max_len reservation holds")
+    parser.add_argument("--memory-slots", type=int, default=None,
+                        help="KV slots every scheme shares (default: room for 32 max-length reservations)")
+    return parser
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the KV-size table and the waste table."""
-    parser = argparse.ArgumentParser(prog="kvlib bench memory", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=1000)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-len", type=int, default=2048)
-    parser.add_argument("--memory-slots", type=int, default=None)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     print(format_table(kv_bytes_rows(), "KV cache size per token"))
     print()
     slots = args.memory_slots or 32 * args.max_len

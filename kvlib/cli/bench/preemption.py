@@ -91,18 +91,23 @@ def run_preemption_bench(num_requests: int = 64, scale: int = 4, num_gpu_blocks:
     return rows
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvlib bench preemption``."""
     parser = argparse.ArgumentParser(prog="kvlib bench preemption", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=64, help="requests, all submitted at once")
     parser.add_argument("--scale", type=int, default=4, help="divide the ShareGPT-like lengths by this")
-    parser.add_argument("--num-gpu-blocks", type=int, default=48)
-    parser.add_argument("--num-cpu-blocks", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-gpu-blocks", type=int, default=48, help="KV blocks on the device (too few on purpose)")
+    parser.add_argument("--num-cpu-blocks", type=int, default=256, help="KV blocks in host memory, for swapping")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the lengths and the prompt tokens")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (0: torch's default); the default model gains little from more, "
                              "and one thread keeps it steady on a machine shared with other jobs")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts, params = oversubscribed_workload(args.num_requests, args.scale, args.seed)

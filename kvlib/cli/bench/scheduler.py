@@ -55,11 +55,16 @@ def _timed_steps(num_seqs: int, prompt_len: int, steps: int, block_size: int, en
     return timings, engine.metrics.num_preemptions
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvlib bench scheduler``."""
     parser = argparse.ArgumentParser(prog="kvlib bench scheduler", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=64, help="decode steps timed in each run")
     parser.add_argument("--repeats", type=int, default=5, help="runs per row; the row gives their median")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = [time_scheduler(n, steps=args.steps, repeats=args.repeats) for n in (32, 256)]
     rows.append(time_scheduler(256, steps=args.steps, enable_prefix_caching=True, repeats=args.repeats))
     rows.append(time_scheduler(256, steps=args.steps, pressure=True, repeats=args.repeats))

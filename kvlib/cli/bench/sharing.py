@@ -159,13 +159,18 @@ def run_sharing_bench(num_requests: int = 200, block_size: int = 16, seed: int =
     return rows
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvlib bench sharing``."""
     parser = argparse.ArgumentParser(prog="kvlib bench sharing", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-len", type=int, default=2048)
-    args = parser.parse_args(argv)
+    parser.add_argument("--num-requests", type=int, default=200, help="ShareGPT-like requests served")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the request lengths")
+    parser.add_argument("--max-len", type=int, default=2048, help="the model's context: the longest request")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     rows = run_sharing_bench(args.num_requests, args.block_size, args.seed, args.max_len)
     print(format_table(rows, f"KV blocks in use, separate and shared: {args.num_requests} ShareGPT-like requests, "
                              f"one arriving per step, block size {args.block_size}, context {args.max_len}"))

@@ -22,7 +22,6 @@ to find.
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Callable, Optional
 
 import torch
@@ -54,13 +53,6 @@ def paired_times(first: Callable[[], None], second: Callable[[], None], device: 
         for fn, out in zip((first, second), times):
             out.append(time_once(fn, device))
     return times
-
-
-def paired_medians(first: Callable[[], None], second: Callable[[], None], device: torch.device,
-                   repeats: int) -> tuple[float, float]:
-    """Median wall times of ``first`` and ``second`` (``paired_times``)."""
-    a, b = paired_times(first, second, device, repeats)
-    return statistics.median(a), statistics.median(b)
 
 
 def measure_swap(spec: KVCacheSpec, num_blocks: int, device: torch.device, repeats: int = 5,
@@ -118,15 +110,22 @@ def run_swap_bench(block_sizes=BLOCK_SIZES, total_mib: float = 64, model: str = 
     return rows
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options of ``kvlib bench swap``."""
     parser = argparse.ArgumentParser(prog="kvlib bench swap", description=__doc__.splitlines()[0])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES))
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=list(BLOCK_SIZES),
+                        help="tokens per block, one pair of rows each")
     parser.add_argument("--total-mib", type=float, default=64, help="KV moved per measurement")
     parser.add_argument("--model", choices=sorted(MODELS), default="default", help="whose KV block shape")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where the device pool lives (auto: a CUDA GPU if there is one)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed copies per row; the row gives the best")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the KV contents and of which blocks move")
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     where = resolve_device(args.device)
     rows = run_swap_bench(args.block_sizes, args.total_mib, args.model, args.device, args.repeats, args.seed)
     link = "device <-> pinned host" if where.type == "cuda" else "host memory <-> host memory (CPU)"
