@@ -1,12 +1,14 @@
 """Every lesson says only what it measured: its verdicts come from code, and its last cell checks them.
 
-nbval runs every lesson (pyproject.toml); this test makes sure each one prints its verdicts with
+nbval runs every lesson (pyproject.toml) but those that time what they compare, which
+tests/test_lesson_verdicts.py runs twice; this test makes sure each one prints its verdicts with
 ``kvlib.course.verdicts.verdict`` and ends with ``check_verdicts()``, which evaluates every
 recorded rule again on the recorded values, so that run fails if a printed sentence and the
 numbers behind it disagree.
 """
 from __future__ import annotations
 
+import runpy
 from pathlib import Path
 
 import nbformat
@@ -20,6 +22,9 @@ LESSONS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # recomputes from their evidence; every other lesson follows the convention below.
 RECOMPUTED_ELSEWHERE = {"07", "09"}
 CHECKED = {p for p in LESSONS if p.stem[:2] not in RECOMPUTED_ELSEWHERE}
+# Lessons whose verdicts rest on timings: run twice in tests/test_lesson_verdicts.py, which requires the same
+# verdicts from both runs, and skipped by nbval (notebooks/conftest.py).
+TIMED_TWICE = {"06", "07", "09"}
 LAST_CELL = "from kvlib.course.verdicts import check_verdicts\ncheck_verdicts()"
 
 
@@ -29,6 +34,15 @@ def test_every_lesson_has_its_verdicts_checked():
     for number in RECOMPUTED_ELSEWHERE:
         assert any(name.startswith(f"test_{number}_") for name in dir(test_lesson_verdicts)), \
             f"lesson {number} is neither checked here nor in tests/test_lesson_verdicts.py"
+
+
+def test_every_timed_lesson_runs_twice_and_nbval_skips_it():
+    import test_lesson_verdicts
+    ignored = runpy.run_path(str(ROOT / "notebooks" / "conftest.py"))["collect_ignore"]
+    assert {name[:2] for name in ignored} == TIMED_TWICE
+    assert all((ROOT / "notebooks" / name).is_file() for name in ignored), "nbval skips a lesson that no longer exists"
+    for number in TIMED_TWICE:
+        assert hasattr(test_lesson_verdicts, f"test_{number}_verdicts_hold_on_a_second_run"), number
 
 
 def test_a_verdict_prints_what_the_numbers_say_and_is_checked_again(capsys):
