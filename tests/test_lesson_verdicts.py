@@ -8,7 +8,9 @@ Each of these lessons times what it compares, so each runs twice (nbval skips th
 notebooks/conftest.py): the second run must print the same verdicts, sentence by sentence (which
 branch every ``kvlib.course.verdicts.verdict`` took) and winner by winner (the ``verdicts`` tables,
 their numbers aside). A verdict that one run decides and the other calls too close is a claim the
-lesson cannot keep.
+lesson cannot keep. The second run has every exercise filled in with the answer the lesson shows
+(tests/test_exercises.py's convention), and each must pass its check there: one run of the lesson
+serves both, so the suite does not run these slow lessons a third time.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 from kvlib.cost_model import PreemptionCostModel, attention_pairs
 from kvlib.course.grading.execute import execute
 from kvlib.course.timing import decide, median_interval
+from test_exercises import exercises, fill_in, missed
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 STATE = "LESSON-STATE "
@@ -35,19 +38,27 @@ LESSON_07 = "07_choosing_swap_or_recompute.ipynb"
 LESSON_09 = "09_serving_long_contexts.ipynb"
 
 
-def run_state(name: str) -> dict:
-    """What the lesson concluded and measured, each verdict's rule and branch, and all it printed, after one run."""
+def run_state(name: str, with_answers: bool = False) -> dict:
+    """What the lesson concluded and measured, each verdict's rule and branch, and all it printed, after one run.
+
+    ``with_answers`` fills every exercise with its shown answer first; ``"exercises missed"`` lists
+    the exercises whose check did not pass with it.
+    """
     path = NOTEBOOKS / name
     nb = nbformat.read(path, as_version=4)
+    found = exercises(nb, name) if with_answers else []
+    for exercise in found:
+        nb.cells[exercise.cell].source = fill_in(nb.cells[exercise.cell].source, exercise.answer)
     nb.cells.append(nbformat.v4.new_code_cell(DUMP))
     execute(nb, path.parent, allow_errors=False)
     printed = "\n".join(out.get("text", "") for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs)
     state = json.loads(printed.split(STATE, 1)[1].splitlines()[0])
-    return {**state, "printed": printed}
+    return {**state, "printed": printed, "exercises": len(found), "exercises missed": missed(nb, found)}
 
 
 def run_twice(name: str) -> tuple[dict, dict]:
-    return run_state(name), run_state(name)
+    """A plain run, then one with every exercise answered as the lesson shows."""
+    return run_state(name), run_state(name, with_answers=True)
 
 
 def as_tuple(state: dict) -> tuple[dict, dict, str]:
@@ -112,6 +123,11 @@ def test_06_verdicts_hold_on_a_second_run(lesson06_runs):
     assert_same_verdicts(*lesson06_runs)
 
 
+def test_06_exercises_pass_with_the_answers_shown(lesson06_runs):
+    answered = lesson06_runs[1]
+    assert answered["exercises"] >= 1 and not answered["exercises missed"], answered["exercises missed"]
+
+
 # ---- lesson 07 ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lesson07_runs():
@@ -125,6 +141,11 @@ def lesson07(lesson07_runs):
 
 def test_07_verdicts_hold_on_a_second_run(lesson07_runs):
     assert_same_verdicts(*lesson07_runs)
+
+
+def test_07_exercises_pass_with_the_answers_shown(lesson07_runs):
+    answered = lesson07_runs[1]
+    assert answered["exercises"] >= 3 and not answered["exercises missed"], answered["exercises missed"]
 
 
 def between(rounds: dict, swap: str, recompute: str) -> str:
@@ -217,6 +238,11 @@ def lesson09(lesson09_runs):
 
 def test_09_verdicts_hold_on_a_second_run(lesson09_runs):
     assert_same_verdicts(*lesson09_runs)
+
+
+def test_09_exercises_pass_with_the_answers_shown(lesson09_runs):
+    answered = lesson09_runs[1]
+    assert answered["exercises"] >= 2 and not answered["exercises missed"], answered["exercises missed"]
 
 
 def returning_prices(cost: PreemptionCostModel, context: int, block_bytes: int) -> tuple[float, float]:

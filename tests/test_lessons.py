@@ -61,3 +61,21 @@ def test_the_lesson_prints_its_verdicts_from_code_and_checks_them_last(lesson):
     code = [c.source for c in nbformat.read(lesson, as_version=4).cells if c.cell_type == "code"]
     assert code[-1] == LAST_CELL, f"{lesson.name}: the last code cell must be {LAST_CELL!r}"
     assert any("verdict(" in source for source in code), f"{lesson.name}: no verdict printed from measurements"
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_no_cell_ends_in_a_verdict_or_comparison_that_prints_its_bool(lesson):
+    """A cell whose last line is ``verdict(...)`` shows a stray ``True`` under the sentence it printed."""
+    import ast
+    stray = []
+    for number, cell in enumerate(nbformat.read(lesson, as_version=4).cells):
+        if cell.cell_type != "code" or cell.source.startswith(("%", "!")):
+            continue
+        body = ast.parse(cell.source).body
+        last = body[-1] if body else None
+        prints_bool = isinstance(last, ast.Expr) and (
+            isinstance(last.value, (ast.Compare, ast.BoolOp))
+            or isinstance(last.value, ast.Call) and getattr(last.value.func, "id", "") == "verdict")
+        if prints_bool and not cell.source.rstrip().endswith(";"):
+            stray.append(number)
+    assert not stray, f"{lesson.name}: cells {stray} end in an expression whose True/False the notebook shows"

