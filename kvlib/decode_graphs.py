@@ -12,8 +12,8 @@ it reads, the sizes, and every value the host computed while recording. So:
 - the metadata's host-side numbers are the bucket's, not the step's: ``max_context_len`` is the
   engine's ``max_model_len``, so the decode kernel's split count and split size are those of the
   bucket (``choose_num_splits``); splits past a sequence's end return at once;
-- only a backend whose decode reads nothing back to the host may be captured (the Triton one;
-  ``graph_safe``);
+- only a backend whose decode reads nothing back to the host may be captured: one that declares
+  ``capabilities.graph_safe`` (the Triton one; ``graph_safe``);
 - a graph ends at the last layer's hidden states, ``[bucket, hidden]``; the language-model head
   runs after the replay on the sampled rows only, so no graph keeps a ``[bucket, vocab]`` output.
 
@@ -71,9 +71,8 @@ class EagerCapture:
 
 
 def graph_safe(backend) -> bool:
-    """Whether a backend may be captured: kvlib's Triton backend launches kernels and reads nothing back."""
-    from kvlib.attention.triton_backend import TritonAttentionBackend
-    return isinstance(backend, TritonAttentionBackend)
+    """Whether a backend may be captured: it says so itself (``capabilities.graph_safe``)."""
+    return backend.capabilities.graph_safe
 
 
 class DecodeGraphs:

@@ -14,6 +14,7 @@ from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from kvlib.attention.capabilities import BackendCapabilities
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.block_allocator import AllocStatus
 from kvlib.metrics import EngineMetrics
@@ -88,9 +89,17 @@ class AttentionBackend(Protocol):
     block ``src_ids[i]`` onto ``dst_ids[i]`` of one pool tensor, all layers, K and V. Must keep
     true: ``forward`` reads only through the block tables, never writes the cache. The engine
     guarantees that no copy destination is also a source or appears twice.
+
+    ``capabilities`` (a :class:`~kvlib.attention.capabilities.BackendCapabilities`) says what start-up
+    may do with the backend: whether decode steps may be replayed from CUDA graphs, which dtypes it
+    computes, which decode shapes warm-up must launch. A backend without one is refused when the
+    engine is built, and so is a model dtype it does not list. A subclass of a kvlib backend inherits
+    its parent's declaration: declare your own if your ``forward`` reads back to the host (not
+    graph-safe) or supports fewer dtypes.
     """
 
     name: str
+    capabilities: BackendCapabilities
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None: ...
@@ -230,6 +239,20 @@ def _has(piece, name: str) -> bool:
         return True
     except AttributeError:
         return hasattr(piece, name)  # provided through __getattr__
+
+
+def check_attention_backend(backend, dtype: torch.dtype) -> None:
+    """A backend is refused when the engine is built if it lacks part of its protocol or the model's dtype."""
+    check_implements(backend, AttentionBackend, "attention_backend")
+    capabilities = backend.capabilities
+    if not isinstance(capabilities, BackendCapabilities):
+        raise TypeError(f"attention_backend={backend!r} declares capabilities={capabilities!r}; it must be a "
+                        f"kvlib.attention.capabilities.BackendCapabilities")
+    if dtype not in capabilities.dtypes:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in capabilities.dtypes)
+        raise ValueError(f"attention backend {backend.name!r} computes in "
+                         f"{supported}, not {str(dtype).removeprefix('torch.')}: set EngineConfig(dtype=...) to "
+                         f"one of those, or choose another backend")
 
 
 def check_preemption_policy(policy, preemption_mode: str) -> None:

@@ -8,9 +8,10 @@ integers that vary from step to step), and this module launches each member once
 
 - a mixed step (a decode beside a prefill): the store kernel, the plain decode kernel and the
   prefill kernel;
-- one decode step per split count a power of two apart, up to ``MAX_SPLITS``: the split decode
-  kernel and each width of the merge kernel (``NUM_SPLITS_PAD``), with the bound on the context
-  length raised so that ``choose_num_splits`` picks that count (the contexts themselves are one
+- one decode step at each context bound the backend declares
+  (``capabilities.warm_up_decode_bounds``): for the Triton backend, one per split count a power of
+  two apart, the split decode kernel and each width of the merge kernel, with the bound on the
+  context length raised so that the split rule picks that count (the contexts themselves are one
   token; splits past them return at once);
 - a copy-on-write copy and, when there is a host pool, a block out and back through the staging buffer.
 
@@ -19,26 +20,15 @@ serves a varied workload after it and checks that no launch needed a variant it 
 """
 from __future__ import annotations
 
-from kvlib.decode_graphs import graph_safe
 from kvlib.kv_cache import copy_blocks_between
 from kvlib.step_inputs import Chunk
-
-
-def split_bounds() -> list[int]:
-    """Context bounds that make the split rule pick 2, 4 ... ``MAX_SPLITS`` splits on a large enough GPU."""
-    from kvlib.kernels.paged_decode import MAX_SPLITS, MIN_SPLIT_TOKENS
-    bounds, splits = [], 2
-    while splits <= MAX_SPLITS:
-        bounds.append(splits * MIN_SPLIT_TOKENS)
-        splits *= 2
-    return bounds
 
 
 def warm_up(runner) -> None:
     """Launch every kernel variant once on the runner's own pools and buffers."""
     block_size, window = runner.spec.block_size, runner.model.config.sliding_window
     mixed = [Chunk([0], 0, [0], sampled=True), Chunk([0, 0], 0, [0], sampled=True)]
-    bounds = split_bounds() if graph_safe(runner.backend) else []  # only the Triton decode splits
+    bounds = runner.backend.capabilities.warm_up_decode_bounds
     steps = [(mixed, None)] + [([Chunk([0], 0, [0], sampled=True)], bound) for bound in bounds]
     for chunks, bound in steps:
         inputs = runner.buffers.pack(chunks, block_size, window, max_context_len=bound)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvlib.attention.capabilities import FLOAT_DTYPES, BackendCapabilities
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_paged import GatherScratch, paged_attention_mixed, paged_decode_batched
 
@@ -64,6 +65,7 @@ class TorchAttentionBackend:
     """The attention backend interface: ``store_kv`` then ``forward`` for each layer of a step."""
 
     name = "torch"
+    capabilities = BackendCapabilities(graph_safe=False, dtypes=FLOAT_DTYPES)  # plans its decode reads on the host
 
     def __init__(self) -> None:
         self.scratch = GatherScratch()

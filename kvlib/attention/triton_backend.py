@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvlib import kernels
+from kvlib.attention.capabilities import FLOAT_DTYPES, BackendCapabilities
 from kvlib.attention.metadata import AttentionMetadata
 
 
@@ -26,6 +27,13 @@ class TritonAttentionBackend:
         if not kernels.triton_available():
             raise ImportError("the triton attention backend needs Triton, which is not installed; "
                               "use attention_backend='torch' instead")
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        """Graph-safe: its decode reads everything from device tensors. Read when asked, from the decode
+        kernel's split rule, so the warm-up bounds are those the rule uses now."""
+        return BackendCapabilities(graph_safe=True, dtypes=FLOAT_DTYPES,
+                                   warm_up_decode_bounds=kernels.split_warm_up_bounds())
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         kernels.for_device(key.device).store_kv(key, value, k_cache, v_cache, slot_mapping)

@@ -16,6 +16,7 @@ import torch
 _EXPORTS = {
     "paged_decode_attention": "kvlib.kernels.paged_decode",
     "choose_num_splits": "kvlib.kernels.paged_decode",
+    "split_warm_up_bounds": "kvlib.kernels.paged_decode",
     "paged_prefill_attention": "kvlib.kernels.paged_prefill",
     "store_kv": "kvlib.kernels.cache_ops",
     "copy_blocks": "kvlib.kernels.cache_ops",

@@ -152,6 +152,16 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, de
     return max(1, min(wanted, max_context_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
+def split_warm_up_bounds() -> tuple[int, ...]:
+    """Context bounds at which ``choose_num_splits`` picks 2, 4 ... ``MAX_SPLITS`` splits on a large enough GPU:
+    each of those counts launches a merge width (``NUM_SPLITS_PAD``) of its own, compiled at its first launch."""
+    bounds, splits = [], 2
+    while splits <= MAX_SPLITS:
+        bounds.append(splits * MIN_SPLIT_TOKENS)
+        splits *= 2
+    return tuple(bounds)
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context_len: int | None = None, num_splits: int | None = None,

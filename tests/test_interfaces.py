@@ -1,0 +1,102 @@
+"""The contracts of the pluggable pieces: what a piece declares is what the engine asks, and the checks that
+refuse a piece at construction can fail."""
+import dataclasses
+
+import pytest
+import torch
+
+from kvlib import LLM, EngineConfig, interfaces
+from kvlib.attention.capabilities import FLOAT_DTYPES, BackendCapabilities
+from kvlib.attention.torch_backend import TorchAttentionBackend
+from kvlib.decode_graphs import graph_safe
+from kvlib.kernels import triton_available
+from kvlib.warm_up import warm_up
+
+
+@pytest.fixture(scope="module")
+def folder(checkpoint):
+    return checkpoint("llama-gqa")
+
+
+class DeclaredBackend(TorchAttentionBackend):
+    """The torch backend's computation under a declaration of the test's choosing."""
+
+    def __init__(self, capabilities: BackendCapabilities):
+        super().__init__()
+        self.capabilities = capabilities
+
+
+class Undeclared:
+    """A backend written from scratch that declares nothing."""
+
+    name = "undeclared"
+
+    def __init__(self):
+        self.torch = TorchAttentionBackend()
+        self.store_kv, self.forward, self.copy_blocks = self.torch.store_kv, self.torch.forward, self.torch.copy_blocks
+
+
+# ---- backends declare what they can do ------------------------------------------------------------
+def test_kvlibs_backends_declare_what_they_can_do():
+    torch_caps = TorchAttentionBackend.capabilities
+    assert not torch_caps.graph_safe and torch_caps.warm_up_decode_bounds == ()
+    assert set(torch_caps.dtypes) == set(FLOAT_DTYPES)
+    if triton_available():
+        from kvlib.attention.triton_backend import TritonAttentionBackend
+        from kvlib.kernels import paged_decode
+        caps = TritonAttentionBackend().capabilities
+        assert caps.graph_safe
+        splits = [bound // paged_decode.MIN_SPLIT_TOKENS for bound in caps.warm_up_decode_bounds]
+        assert splits == [2 ** k for k in range(1, paged_decode.MAX_SPLITS.bit_length())]  # 2, 4 ... MAX_SPLITS
+
+
+def test_capabilities_are_frozen_and_name_real_dtypes():
+    caps = BackendCapabilities(graph_safe=False, dtypes=(torch.float32,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        caps.graph_safe = True
+    for dtypes in ((), ("float32",)):
+        with pytest.raises(TypeError, match="must name at least one torch.dtype"):
+            BackendCapabilities(graph_safe=False, dtypes=dtypes)
+
+
+def test_graph_safety_is_what_the_backend_declares_not_its_class():
+    assert graph_safe(DeclaredBackend(BackendCapabilities(graph_safe=True, dtypes=FLOAT_DTYPES)))
+    assert not graph_safe(DeclaredBackend(BackendCapabilities(graph_safe=False, dtypes=FLOAT_DTYPES)))
+
+
+def test_warm_up_launches_a_decode_step_at_each_bound_the_backend_declares(folder):
+    backend = DeclaredBackend(BackendCapabilities(graph_safe=False, dtypes=FLOAT_DTYPES,
+                                                  warm_up_decode_bounds=(24, 40)))
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16, num_cpu_blocks=4), attention_backend=backend,
+              verbose=False)
+    runner = llm.engine.runner
+    bounds, pack = [], runner.buffers.pack
+
+    def recording_pack(chunks, *args, max_context_len=None, **kwargs):
+        bounds.append((len(chunks), max_context_len))
+        return pack(chunks, *args, max_context_len=max_context_len, **kwargs)
+    runner.buffers.pack = recording_pack
+    warm_up(runner)
+    assert bounds == [(2, None), (1, 24), (1, 40)]  # the mixed step, then one decode at each declared bound
+
+
+# ---- a backend that declares nothing, or not the model's dtype, is refused ------------------------------
+def test_a_backend_that_declares_no_capabilities_is_refused_when_the_engine_is_built(folder):
+    with pytest.raises(TypeError, match="does not implement kvlib.interfaces.AttentionBackend: it has no capabilities;"):
+        LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16), attention_backend=Undeclared(), verbose=False)
+    with pytest.raises(TypeError, match="it has no capabilities;"):
+        interfaces.check_attention_backend(Undeclared(), torch.float32)
+
+
+def test_capabilities_of_the_wrong_type_are_refused():
+    backend = DeclaredBackend({"graph_safe": True})
+    with pytest.raises(TypeError, match="must be a kvlib.attention.capabilities.BackendCapabilities"):
+        interfaces.check_attention_backend(backend, torch.float32)
+
+
+def test_a_dtype_the_backend_does_not_compute_is_refused_naming_the_backend_and_its_dtypes():
+    backend = DeclaredBackend(BackendCapabilities(graph_safe=False, dtypes=(torch.float16, torch.bfloat16)))
+    interfaces.check_attention_backend(backend, torch.float16)
+    with pytest.raises(ValueError, match="attention backend 'torch' computes in float16, bfloat16, not float32: "
+                                         r"set EngineConfig\(dtype=...\)"):
+        interfaces.check_attention_backend(backend, torch.float32)
