@@ -4,7 +4,7 @@ It is the mechanism under the scheduler's policy. The scheduler asks predicate/a
 (``can_admit``/``admit``, ``can_grow``/``grow``, ``can_swap_in``/``swap_in``, ``swap_out``,
 ``drop``, ``fork``, ``free``) and never touches a reference count; the block manager owns both
 allocators, the prefix cache with its host tier, and block sharing. It moves no bytes either:
-each action adds the copies it implies to the step's :class:`BlockMoves`, which the model runner
+each action adds the copies it implies to the step's :class:`~kvlib.plan.BlockMoves`, which the model runner
 carries out before the forward pass.
 
 Three rules keep a step's copies correct whatever order the actions came in:
@@ -19,36 +19,15 @@ Three rules keep a step's copies correct whatever order the actions came in:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from kvlib.block_allocator import AllocStatus
 from kvlib.block_table import blocks_for
+from kvlib.plan import BlockMoves
 from kvlib.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
 from kvlib.sequence import Sequence
 from kvlib.sharing import BlockSharing
-
-
-@dataclass
-class BlockMoves:
-    """The block copies one step owes, grouped by the phase they run in."""
-
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host): preempted sequences
-    demote: list[tuple[int, int]] = field(default_factory=list)  # (device, host): evicted prefix blocks kept on the host
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (device, device): copy-on-write
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device): resumed sequences
-    promote: list[tuple[int, int]] = field(default_factory=list)  # (host, device): host-tier prefix hits
-
-    @property
-    def to_host(self) -> list[tuple[int, int]]:
-        return self.swap_out + self.demote
-
-    @property
-    def to_device(self) -> list[tuple[int, int]]:
-        return self.swap_in + self.promote
-
-    def __bool__(self) -> bool:
-        return bool(self.swap_out or self.demote or self.copies or self.swap_in or self.promote)
 
 
 @dataclass

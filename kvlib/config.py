@@ -11,7 +11,8 @@ import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
+PREEMPTION_MECHANISMS = ("recompute", "swap")  # what a preemption does
+PREEMPTION_MODES = (*PREEMPTION_MECHANISMS, "auto")  # auto: the policy chooses one, victim by victim
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Optional, Union
 
 from kvlib import interfaces
-from kvlib.block_allocator import BlockAllocator
-from kvlib.block_manager import BlockManager, BlockMoves
 from kvlib.config import EngineConfig, SamplingParams, is_integer
 from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.metrics import EngineMetrics, StepRecord
@@ -22,10 +20,8 @@ from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.loader import load_model
 from kvlib.model_runner import ModelRunner
 from kvlib.outputs import RequestOutput, SampleOutput
-from kvlib.oversubscription import OversubscriptionDetector
-from kvlib.preemption import LatestArrivalPolicy
-from kvlib.prefix_cache import HostPrefixTier
-from kvlib.scheduler import Scheduler, SchedulerOutput, StepResult
+from kvlib.pieces import Pieces, build_core
+from kvlib.plan import SchedulerOutput, StepResult
 from kvlib.sequence import Sequence, sample_stream_seed
 from kvlib.tokenizer import Tokenizer
 
@@ -33,47 +29,26 @@ logger = logging.getLogger("kvlib")
 
 
 class LLMEngine:
+    """Takes the pieces of :class:`~kvlib.pieces.Pieces` as keyword arguments (``allocator=``,
+    ``preemption_policy=``, ``scheduler=`` ...), each replacing kvlib's own."""
+
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
-                 allocator=None, preemption_policy=None, attention_backend=None, block_sharing=None,
-                 oversubscription_detector=None, scheduler=None, block_manager=None, host_prefix_tier=None,
-                 verbose: bool = True):
+                 verbose: bool = True, **pieces):
         self.config = config = config or EngineConfig()
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        folder = resolve_model_folder(model)
-        model = load_model(folder, self.device, self.dtype)
-        self.model_config = model.config
-        self.tokenizer = Tokenizer.from_folder(folder)
-        self.max_model_len = self._max_model_len()
-        if attention_backend is None:
-            choice = choose_attention_backend(config.attention_backend, self.device)
-            attention_backend = make_attention_backend(choice)
-            if verbose:
-                print(choice.describe(self.device))
-        interfaces.check_implements(attention_backend, interfaces.AttentionBackend, "attention_backend")
-        self.runner = ModelRunner(model, attention_backend, block_size=config.block_size,
-                                  num_gpu_blocks=config.num_gpu_blocks, num_cpu_blocks=config.num_cpu_blocks,
-                                  device=self.device, dtype=self.dtype,
-                                  gpu_memory_utilization=config.gpu_memory_utilization,
-                                  max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_model_len=self.max_model_len)
-        num_gpu_blocks = self.runner.gpu_pool.num_blocks
-        make_allocator = allocator or BlockAllocator
-        self.block_manager = (block_manager or BlockManager)(
-            config.block_size, make_allocator(num_gpu_blocks), make_allocator(config.num_cpu_blocks),
-            watermark_blocks=int(config.watermark * num_gpu_blocks), enable_prefix_caching=config.enable_prefix_caching,
-            host_prefix_cache=config.host_prefix_cache, sharing=block_sharing,
-            host_tier_factory=host_prefix_tier or HostPrefixTier)
-        self.policy = preemption_policy or LatestArrivalPolicy()
-        interfaces.check_preemption_policy(self.policy, config.preemption_mode)
-        self.cost_model = self._cost_model(verbose) if config.preemption_mode == "auto" else None
+        pieces = Pieces.from_keywords("LLMEngine", **pieces).with_defaults(config)
+        self.policy = pieces.preemption_policy
+        self.oversubscription = pieces.oversubscription_detector
+        model = self._load(model)
+        backend = self._attention_backend(pieces.attention_backend, verbose)
+        self.runner = self._runner(model, backend)  # on a GPU: profiles a forward pass and sizes the pool by it
+        self.runner.warm_up_kernels()
+        self.runner.capture_decode_graphs()
+        self.cost_model = self._probe_cost_model(verbose) if config.preemption_mode == "auto" else None
+        self.block_manager, self.scheduler = build_core(
+            config, pieces, num_device_blocks=self.runner.gpu_pool.num_blocks, block_bytes=self.runner.spec.block_bytes,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids), max_model_len=self.max_model_len,
+            cost_model=self.cost_model)
         self.metrics = EngineMetrics(history=config.metrics_history)
-        self.oversubscription = oversubscription_detector or OversubscriptionDetector()
-        self.scheduler = (scheduler or Scheduler)(config, self.block_manager, self.policy, self.metrics,
-                                   block_bytes=self.runner.spec.block_bytes,
-                                   eos_token_ids=frozenset(self.model_config.eos_token_ids),
-                                   max_model_len=self.max_model_len, cost_model=self.cost_model)
-        self._check_plugged_pieces()
         self._requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, sample 0 first
         self._ready: list[RequestOutput] = []  # outputs the next step() hands out first (rejections)
         self._num_requests = 0
@@ -82,18 +57,32 @@ class LLMEngine:
             logger.warning("preemption_mode='swap' with num_cpu_blocks=0: there is no host pool to swap into, so "
                            "every preemption will recompute; give num_cpu_blocks a size to swap")
 
-    def _check_plugged_pieces(self) -> None:
-        """Every piece has the whole of its protocol (``kvlib/interfaces.py``): said now, not mid-step."""
-        bm = self.block_manager
-        pieces = [(bm.gpu, interfaces.BlockAllocator, "allocator"), (bm.cpu, interfaces.BlockAllocator, "allocator"),
-                  (bm.sharing, interfaces.BlockSharing, "block_sharing"),
-                  (self.oversubscription, interfaces.OversubscriptionDetector, "oversubscription_detector"),
-                  (self.scheduler, interfaces.SchedulingStep, "scheduler"),
-                  (bm, interfaces.PreemptionMechanism, "block_manager")]
-        if bm.host_tier is not None:
-            pieces.append((bm.host_tier, interfaces.HostPrefixTier, "host_prefix_tier"))
-        for piece, protocol, argument in pieces:
-            interfaces.check_implements(piece, protocol, argument)
+    def _load(self, model: Union[str, Path]):
+        """The model on the configured device and dtype, with its tokenizer and context length."""
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        folder = resolve_model_folder(model)
+        model = load_model(folder, self.device, self.dtype)
+        self.model_config = model.config
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.max_model_len = self._max_model_len()
+        return model
+
+    def _attention_backend(self, backend, verbose: bool):
+        if backend is None:
+            choice = choose_attention_backend(self.config.attention_backend, self.device)
+            backend = make_attention_backend(choice)
+            if verbose:
+                print(choice.describe(self.device))
+        interfaces.check_implements(backend, interfaces.AttentionBackend, "attention_backend")
+        return backend
+
+    def _runner(self, model, backend) -> ModelRunner:
+        c = self.config
+        return ModelRunner(model, backend, block_size=c.block_size, num_gpu_blocks=c.num_gpu_blocks,
+                           num_cpu_blocks=c.num_cpu_blocks, device=self.device, dtype=self.dtype,
+                           gpu_memory_utilization=c.gpu_memory_utilization, max_num_seqs=c.max_num_seqs,
+                           max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=self.max_model_len)
 
     def _max_model_len(self) -> int:
         positions = self.model_config.max_position_embeddings
@@ -103,7 +92,7 @@ class LLMEngine:
                              f"(max_position_embeddings); use at most {positions}, or None")
         return wanted
 
-    def _cost_model(self, verbose: bool):
+    def _probe_cost_model(self, verbose: bool):
         """Auto mode prices swap and recompute with the policy's cost model, else one measured here now."""
         cost = getattr(self.policy, "cost_model", None) or self.runner.measure_cost_model()
         if verbose:
@@ -216,15 +205,16 @@ class LLMEngine:
         start, plan = time.perf_counter(), SchedulerOutput()
         try:
             self.scheduler.schedule(plan)
-        finally:  # what was planned is carried out, even when a plugged-in piece raised midway
-            self._record_moves(plan.moves, self.runner.execute_moves(plan.moves))
+        finally:  # what was planned is carried out and counted, even when a plugged-in piece raised midway
+            self.metrics.record_plan(plan, self.runner.spec.block_bytes, self.runner.execute_moves(plan.moves))
         if not plan.scheduled:
             raise RuntimeError(self._stall_message())
         forward_start = time.perf_counter()
         logits = self.runner.forward(plan)
-        self._account_recompute(plan, time.perf_counter() - forward_start)
+        forward_seconds = time.perf_counter() - forward_start
         tokens = self.runner.sample(logits, plan)
         result = self.scheduler.postprocess(plan, tokens, time.perf_counter())
+        self.metrics.record_result(plan, result, forward_seconds)
         outputs += self._request_outputs(result)
         self._record_step(plan, start)
         return outputs
@@ -232,7 +222,6 @@ class LLMEngine:
     def _request_outputs(self, result: StepResult) -> list[RequestOutput]:
         for child in result.forked:
             self._requests[child.request_id].append(child)
-        self.metrics.num_generated_tokens += len(result.sampled)
         progressed = [self._request_output(rid) for rid in dict.fromkeys(s.request_id for s in result.sampled)]
         for out in progressed:
             if out.finished:
@@ -250,21 +239,6 @@ class LLMEngine:
         samples = [SampleOutput(list(s.output_token_ids), decode(s.output_token_ids) if decode else None, s.finish_reason)
                    for s in seqs]
         return RequestOutput(request_id, list(seqs[0].prompt_token_ids), samples, finished=finished)
-
-    def _account_recompute(self, plan: SchedulerOutput, forward_seconds: float) -> None:
-        """Charge recomputation its share of the forward pass: tokens below a sequence's peak are redone."""
-        redone = sum(max(0, min(seq.num_computed_tokens + n, seq.peak_computed_tokens) - seq.num_computed_tokens)
-                     for seq, n in plan.scheduled)
-        if redone:
-            self.metrics.recompute_time += forward_seconds * redone / plan.num_batched_tokens
-
-    def _record_moves(self, moves: BlockMoves, seconds: float) -> None:
-        m = self.metrics
-        m.num_swapped_out_blocks += len(moves.swap_out)
-        m.num_swapped_in_blocks += len(moves.swap_in)
-        m.num_cow_copies += len(moves.copies)
-        m.swap_bytes += (len(moves.to_host) + len(moves.to_device)) * self.runner.spec.block_bytes
-        m.swap_time += seconds
 
     def _record_step(self, plan: SchedulerOutput, start: float) -> None:
         self._step += 1

@@ -16,23 +16,18 @@ Prompt = Union[str, list[int]]
 class LLM:
     """Serve prompts on a paged KV cache.
 
-    Pluggable pieces replace the engine's own, so your code runs inside the real engine; each
-    one's contract is a protocol in ``kvlib/interfaces.py``: ``allocator`` (a class or factory
-    called with a pool's block count), ``preemption_policy``, ``attention_backend``,
-    ``block_sharing``, ``oversubscription_detector``, and, as classes built with the engine's
-    own arguments, ``scheduler`` (a ``Scheduler`` subclass with its own scheduling step),
-    ``block_manager`` (a ``BlockManager`` subclass with its own preemption mechanisms) and
-    ``host_prefix_tier`` (called with the host pool's allocator).
+    Pluggable pieces, passed as keyword arguments, replace the engine's own, so your code runs inside
+    the real engine (the fields of :class:`kvlib.pieces.Pieces`); each one's contract is a protocol
+    in ``kvlib/interfaces.py``: ``allocator`` (a class or factory called with a pool's block count),
+    ``preemption_policy``, ``attention_backend``, ``block_sharing``, ``oversubscription_detector``,
+    and, as classes built with the engine's own arguments, ``scheduler`` (a ``Scheduler`` subclass
+    with its own scheduling step), ``block_manager`` (a ``BlockManager`` subclass with its own
+    preemption mechanisms) and ``host_prefix_tier`` (called with the host pool's allocator).
     """
 
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
-                 allocator=None, preemption_policy=None, attention_backend=None, block_sharing=None,
-                 oversubscription_detector=None, scheduler=None, block_manager=None, host_prefix_tier=None,
-                 verbose: bool = True):
-        self.engine = LLMEngine(model, config, allocator=allocator, preemption_policy=preemption_policy,
-                                attention_backend=attention_backend, block_sharing=block_sharing,
-                                oversubscription_detector=oversubscription_detector, scheduler=scheduler,
-                                block_manager=block_manager, host_prefix_tier=host_prefix_tier, verbose=verbose)
+                 verbose: bool = True, **pieces):
+        self.engine = LLMEngine(model, config, verbose=verbose, **pieces)
         self._ids = itertools.count()
 
     @property

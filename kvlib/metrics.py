@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from kvlib.sequence import Sequence
+if TYPE_CHECKING:
+    from kvlib.plan import SchedulerOutput, StepResult
+    from kvlib.sequence import Sequence
 
 DEFAULT_HISTORY = 10_000
 
@@ -86,6 +88,27 @@ class EngineMetrics:
 
     def reset(self) -> None:
         self.__dict__.update(EngineMetrics(history=self.history).__dict__)
+
+    def record_plan(self, plan: SchedulerOutput, block_bytes: int, move_seconds: float = 0.0) -> None:
+        """Count what a step's plan did to the pools: its preemptions and its block moves."""
+        for preemption in plan.preemptions:
+            self.num_preemptions += 1
+            self.num_preemptions_swap += preemption.mode == "swap"
+            self.num_preemptions_recompute += preemption.mode == "recompute"
+            self.num_swap_fallbacks += preemption.fell_back
+            self.num_recomputed_tokens += preemption.lost_tokens
+        moves = plan.moves
+        self.num_swapped_out_blocks += len(moves.swap_out)
+        self.num_swapped_in_blocks += len(moves.swap_in)
+        self.num_cow_copies += len(moves.copies)
+        self.swap_bytes += (len(moves.to_host) + len(moves.to_device)) * block_bytes
+        self.swap_time += move_seconds
+
+    def record_result(self, plan: SchedulerOutput, result: StepResult, forward_seconds: float = 0.0) -> None:
+        """Count what the step computed: its tokens, and the share of the forward pass that redid lost ones."""
+        self.num_generated_tokens += len(result.sampled)
+        if plan.num_recomputed_tokens:
+            self.recompute_time += forward_seconds * plan.num_recomputed_tokens / plan.num_batched_tokens
 
     def record_finished(self, request_id: str, seqs: list[Sequence]) -> None:
         arrival_time = seqs[0].arrival_time

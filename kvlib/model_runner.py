@@ -6,8 +6,8 @@ token per draw. It never decides anything: the plan comes from the scheduler, an
 mean is the scheduler's to record.
 
 On a GPU, before serving, it measures a forward of the largest step to size the pool
-(``memory_profile``), launches every kernel variant once (``warm_up``) and captures the decode
-graphs (``decode_graphs``). Nothing in a step synchronizes the device except reading the sampled
+(``memory_profile``, when it is built), then, as the engine asks, launches every kernel variant
+once (``warm_up_kernels``) and captures the decode graphs (``capture_decode_graphs``). Nothing in a step synchronizes the device except reading the sampled
 tokens back, which the scheduler needs.
 """
 from __future__ import annotations
@@ -16,15 +16,13 @@ import time
 
 import torch
 
-from kvlib.block_manager import BlockMoves
 from kvlib.cost_probe import measure_cost_model
 from kvlib.decode_graphs import CudaGraphCapture, DecodeGraphs, batch_buckets, graph_safe
 from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_blocks_reading_first
 from kvlib.memory_profile import device_blocks_that_fit
+from kvlib.plan import BlockMoves, ScheduledChunk, SchedulerOutput
 from kvlib.preemption import PreemptionCostModel
 from kvlib.sampler import Sampler
-from kvlib.scheduler import SchedulerOutput
-from kvlib.sequence import Sequence
 from kvlib.step_inputs import Chunk, InputBuffers, table_width
 from kvlib.streams import streams_for
 from kvlib.warm_up import warm_up
@@ -32,9 +30,9 @@ from kvlib.warm_up import warm_up
 CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_blocks is None
 
 
-def chunk_of(seq: Sequence, num_new: int) -> Chunk:
-    """The ``num_new`` tokens ``seq`` computes from ``num_computed_tokens`` on (without copying its whole token list)."""
-    start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+def chunk_of(planned: ScheduledChunk) -> Chunk:
+    """The packing of a planned chunk: its tokens (sliced without copying the whole token list) and block table."""
+    seq, start, end = planned.seq, planned.start, planned.end
     prompt, outputs = seq.prompt_token_ids, seq.output_token_ids
     if end <= len(prompt):
         tokens = prompt[start:end]
@@ -42,7 +40,7 @@ def chunk_of(seq: Sequence, num_new: int) -> Chunk:
         tokens = outputs[start - len(prompt):end - len(prompt)]
     else:
         tokens = prompt[start:] + outputs[:end - len(prompt)]
-    return Chunk(tokens, start, seq.block_table.blocks, sampled=end == seq.num_tokens)
+    return Chunk(tokens, start, seq.block_table.blocks, sampled=planned.samples)
 
 
 class ModelRunner:
@@ -67,10 +65,16 @@ class ModelRunner:
         self.gpu_pool = KVCachePool(self.spec, num_gpu_blocks, device)
         self.cpu_pool = KVCachePool(self.spec, num_cpu_blocks, "cpu", pin_memory=on_gpu)
         self.graphs: DecodeGraphs | None = None
-        if on_gpu:
+
+    def warm_up_kernels(self) -> None:
+        """On a GPU, launch every kernel variant once now, so that none compiles in the middle of a step."""
+        if self.device.type == "cuda":
             warm_up(self)
-            if graph_safe(backend):
-                self.set_decode_graphs(CudaGraphCapture(device))
+
+    def capture_decode_graphs(self) -> None:
+        """On a GPU, with a backend whose steps can be replayed, record the decode graphs."""
+        if self.device.type == "cuda" and graph_safe(self.backend):
+            self.set_decode_graphs(CudaGraphCapture(self.device))
 
     def set_decode_graphs(self, capture) -> None:
         """Replay decode steps from graphs recorded by ``capture`` (``CudaGraphCapture``, or the CPU twin
@@ -108,7 +112,7 @@ class ModelRunner:
 
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Logits ``[sequences completing this step, vocab]``, in plan order."""
-        chunks = [chunk_of(seq, num_new) for seq, num_new in plan.scheduled]
+        chunks = [chunk_of(planned) for planned in plan.scheduled]
         if self.graphs is not None and len(chunks) <= self.graphs.largest and all(len(c.token_ids) == 1 for c in chunks):
             return self.graphs.run(chunks)
         inputs = self.buffers.pack(chunks, self.spec.block_size, self.model.config.sliding_window)
@@ -116,10 +120,10 @@ class ModelRunner:
                           inputs.logits_rows)
 
     def sample(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[int]:
-        draws = plan.draws()
-        if not draws:
+        """One token per draw of the plan, in its order."""
+        if not plan.draws:
             return []
-        rows = [row for _, row in draws]
+        rows = [row for _, row in plan.draws]
         if rows != list(range(logits.shape[0])):  # forked samples share their parent's row
             logits = logits[rows]
-        return self.sampler.sample(logits, [seq for seq, _ in draws])
+        return self.sampler.sample(logits, [seq for seq, _ in plan.draws])

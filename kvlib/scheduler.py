@@ -17,64 +17,29 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, field
 from typing import Optional
 
-from kvlib.block_manager import BlockManager, BlockMoves
+from kvlib.block_manager import BlockManager
 from kvlib.block_table import blocks_for
-from kvlib.config import EngineConfig
-from kvlib.metrics import EngineMetrics
+from kvlib.config import PREEMPTION_MECHANISMS, EngineConfig
+from kvlib.plan import Preemption, SchedulerOutput, StepResult
 from kvlib.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
 from kvlib.sequence import Sequence, SequenceStatus
 
-PREEMPTION_MODES = ("swap", "recompute")
+__all__ = ["Scheduler", "SchedulerOutput", "StepResult", "by_arrival"]
 
 
 def by_arrival(seq: Sequence) -> tuple[float, int]:
     return seq.arrival_time, seq.seq_id
 
 
-@dataclass
-class SchedulerOutput:
-    """One step's plan: the tokens to compute, the block moves before them, the samples to fork after."""
-
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute)
-    moves: BlockMoves = field(default_factory=BlockMoves)
-    forks: dict[Sequence, list[Sequence]] = field(default_factory=dict)  # parent -> new samples, made in postprocess
-    num_preemptions: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    def draws(self) -> list[tuple[Sequence, int]]:
-        """(sequence, logits row) of every token to sample: one row per sequence whose last token is computed,
-        shared by the samples that fork from it."""
-        out, row = [], 0
-        for seq, num_new in self.scheduled:
-            if seq.num_computed_tokens + num_new == seq.num_tokens:
-                out.append((seq, row))
-                out.extend((child, row) for child in self.forks.get(seq, ()))
-                row += 1
-        return out
-
-
-@dataclass
-class StepResult:
-    sampled: list[Sequence]  # sequences that received a token, new samples included
-    forked: list[Sequence]  # new samples of parallel requests
-    finished: list[Sequence]
-
-
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy, metrics: EngineMetrics, *,
-                 block_bytes: int, eos_token_ids: frozenset[int] = frozenset(), max_model_len: Optional[int] = None,
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, policy, *, block_bytes: int, eos_token_ids: frozenset[int] = frozenset(), max_model_len: Optional[int] = None,
                  cost_model: Optional[PreemptionCostModel] = None):
         self.config = config
         self.block_size = config.block_size
         self.bm = block_manager
         self.policy = policy
-        self.metrics = metrics
         self.block_bytes = block_bytes
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -194,16 +159,17 @@ class Scheduler:
         return budget
 
     def start(self, seq: Sequence, num_new: int, end: int, out: SchedulerOutput) -> None:
+        """Give ``seq`` its blocks up to ``end`` and put its chunk in the plan, with the samples that fork after it."""
+        computed, peak = seq.num_computed_tokens, seq.peak_computed_tokens
         self.bm.grow(seq, end)
-        out.scheduled.append((seq, num_new))
-        if end == seq.num_tokens and seq.pending_forks:
-            out.forks[seq] = [seq.spawn_sample(i) for i in range(1, seq.params.n)]
+        forks = [seq.spawn_sample(i) for i in range(1, seq.params.n)] if seq.pending_forks and end == seq.num_tokens else ()
+        out.add(seq, num_new, forks, min(end, peak) - computed if peak > computed else 0)
 
     # ---- preemption ---------------------------------------------------------------------------
     def _candidates(self, requester: Sequence, out: SchedulerOutput) -> list[VictimCandidate]:
         """Who could give up blocks: the requester (last resort), running sequences not yet scheduled
         this step, and paused sequences still holding blocks of their own."""
-        scheduled = {seq for seq, _ in out.scheduled}
+        scheduled = {chunk.seq for chunk in out.scheduled}
         candidates = []
         for seq in heapq.merge(self.running, self.waiting, self.swapped, key=by_arrival):
             if seq in scheduled or not seq.block_table.blocks:
@@ -225,44 +191,41 @@ class Scheduler:
     def _preempt(self, victim: VictimCandidate, count: int, out: SchedulerOutput) -> None:
         """Take the last ``count`` device blocks from ``victim`` (partial preemption takes only its unique
         tail, no more than the shortfall); shared ones stay with the sequences that share them."""
-        mode = self._mode(victim, count)
-        victim.seq.num_preemptions += 1
-        out.num_preemptions += 1
-        self.metrics.num_preemptions += 1
-        if mode == "swap":
-            self._preempt_by_swap(victim.seq, count)
-        else:
-            self._preempt_by_recompute(victim.seq, count)
+        seq = victim.seq
+        host_needed = self.bm.host_blocks_needed([seq], count)
+        chosen = self._mode(victim, count, host_needed)
+        swapped = chosen == "swap" and self.bm.make_host_room(host_needed)  # a swap without host room recomputes
+        seq.num_preemptions += 1
+        lost = self._preempt_by_swap(seq, count) if swapped else self._preempt_by_recompute(seq, count)
+        out.preemptions.append(Preemption(seq, "swap" if swapped else "recompute", count, lost,
+                                          fell_back=chosen == "swap" and not swapped))
 
-    def _preempt_by_swap(self, seq: Sequence, count: int) -> None:
+    def _preempt_by_swap(self, seq: Sequence, count: int) -> int:
         """Its blocks go to the host pool; it resumes from the swapped queue with nothing recomputed."""
-        self.metrics.num_preemptions_swap += 1
         self.bm.swap_out(seq, count)
         self.move(seq, SequenceStatus.SWAPPED)
+        return 0
 
-    def _preempt_by_recompute(self, seq: Sequence, count: int) -> None:
-        """Its blocks are let go; it waits again and recomputes the positions they held."""
-        self.metrics.num_preemptions_recompute += 1
-        self.metrics.num_recomputed_tokens += self.bm.drop(seq, count)
+    def _preempt_by_recompute(self, seq: Sequence, count: int) -> int:
+        """Its blocks are let go; it waits again and recomputes the positions they held (returned)."""
+        lost = self.bm.drop(seq, count)
         self.move(seq, SequenceStatus.WAITING)
+        return lost
 
-    def _mode(self, victim: VictimCandidate, count: int) -> str:
-        """The configured mode, or in auto mode the policy's; a swap without host room recomputes."""
+    def _mode(self, victim: VictimCandidate, count: int, host_needed: int) -> str:
+        """The configured mode, or in auto mode the policy's choice."""
         seq, mode = victim.seq, self.config.preemption_mode
-        host_needed = self.bm.host_blocks_needed([seq], count)
-        if mode == "auto":
-            kept = len(seq.block_table) - count
-            context = PreemptionContext(
-                num_blocks=count, num_tokens=seq.num_computed_tokens - min(seq.num_computed_tokens, kept * self.block_size),
-                num_host_blocks=host_needed, block_bytes=self.block_bytes, host_free_blocks=self.bm.num_free_host_blocks,
-                cost_model=self.cost_model, batch_tokens=max(1, len(self.running)))
-            mode = self.policy.choose_mode(victim, context)
-            if mode not in PREEMPTION_MODES:
-                raise ValueError(f"the preemption policy's choose_mode returned {mode!r}; it must return "
-                                 f"'swap' or 'recompute'")
-        if mode == "swap" and not self.bm.make_host_room(host_needed):
-            self.metrics.num_swap_fallbacks += 1
-            return "recompute"
+        if mode != "auto":
+            return mode
+        kept = len(seq.block_table) - count
+        context = PreemptionContext(
+            num_blocks=count, num_tokens=seq.num_computed_tokens - min(seq.num_computed_tokens, kept * self.block_size),
+            num_host_blocks=host_needed, block_bytes=self.block_bytes, host_free_blocks=self.bm.num_free_host_blocks,
+            cost_model=self.cost_model, batch_tokens=max(1, len(self.running)))
+        mode = self.policy.choose_mode(victim, context)
+        if mode not in PREEMPTION_MECHANISMS:
+            raise ValueError(f"the preemption policy's choose_mode returned {mode!r}; it must return "
+                             f"'swap' or 'recompute'")
         return mode
 
     def _release_holders(self, out: SchedulerOutput) -> None:
@@ -276,9 +239,9 @@ class Scheduler:
     # ---- after the model step -----------------------------------------------------------------
     def postprocess(self, plan: SchedulerOutput, tokens: list[int], now: float) -> StepResult:
         """Record a finished model step: computed tokens, forks, one sampled token per draw, finishes."""
-        draws = plan.draws()
-        for seq, num_new in plan.scheduled:
-            seq.num_computed_tokens += num_new
+        for chunk in plan.scheduled:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
             seq.peak_computed_tokens = max(seq.peak_computed_tokens, seq.num_computed_tokens)
             self.bm.register_computed(seq)
         forked = []
@@ -290,7 +253,7 @@ class Scheduler:
                 self.move(child, SequenceStatus.RUNNING)
                 forked.append(child)
         sampled, finished = [], []
-        for (seq, _), token in zip(draws, tokens):
+        for (seq, _), token in zip(plan.draws, tokens):
             seq.record_token(token, now)
             sampled.append(seq)
             if self._finish_reason(seq, token):

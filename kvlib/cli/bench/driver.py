@@ -4,44 +4,38 @@ Benchmarks of the bookkeeping (``kvlib bench scheduler``, ``kvlib bench sharing`
 model-free scheduler tests drive the same ``Scheduler.schedule`` and ``Scheduler.postprocess``
 the engine does. Every scheduled token counts as computed and every draw samples a placeholder
 token, so requests run exactly as long as they ask (as with ``ignore_eos``). Like ``LLM(...)``, it
-takes a ``scheduler``, ``block_manager`` or ``host_prefix_tier`` class to run in place of kvlib's.
+takes pieces as keyword arguments (``scheduler=``, ``block_manager=``, ``preemption_policy=`` ...)
+to run in place of kvlib's, builds its core with the same :func:`~kvlib.pieces.build_core` and
+records its metrics with the same calls.
 """
 from __future__ import annotations
 
 import time
 from typing import Optional
 
-from kvlib.block_allocator import BlockAllocator
-from kvlib.block_manager import BlockManager
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig
 from kvlib.metrics import EngineMetrics
-from kvlib.preemption import LatestArrivalPolicy
-from kvlib.prefix_cache import HostPrefixTier
-from kvlib.scheduler import Scheduler, SchedulerOutput, StepResult
+from kvlib.pieces import Pieces, build_core
+from kvlib.plan import SchedulerOutput, StepResult
 from kvlib.sequence import Sequence
 
 PLACEHOLDER_TOKEN = 0
+BLOCK_BYTES = 1  # no pool holds bytes: a block moved counts as one
 
 
 class ModelFreeEngine:
-    def __init__(self, config: EngineConfig, policy=None, sharing=None, *, scheduler=None, block_manager=None,
-                 host_prefix_tier=None):
+    def __init__(self, config: EngineConfig, **pieces):
         if config.num_gpu_blocks is None:
             raise ValueError("a model-free run has no device to size the pool from: set num_gpu_blocks")
         self.config = config
         self.metrics = EngineMetrics(history=config.metrics_history)
-        self.block_manager = (block_manager or BlockManager)(
-            config.block_size, BlockAllocator(config.num_gpu_blocks), BlockAllocator(config.num_cpu_blocks),
-            watermark_blocks=int(config.watermark * config.num_gpu_blocks),
-            enable_prefix_caching=config.enable_prefix_caching, host_prefix_cache=config.host_prefix_cache,
-            sharing=sharing, host_tier_factory=host_prefix_tier or HostPrefixTier)
-        self.scheduler = (scheduler or Scheduler)(config, self.block_manager, policy or LatestArrivalPolicy(),
-                                                  self.metrics, block_bytes=1)
+        pieces = Pieces.from_keywords("ModelFreeEngine", **pieces).with_defaults(config)
+        self.block_manager, self.scheduler = build_core(config, pieces, num_device_blocks=config.num_gpu_blocks,
+                                                        block_bytes=BLOCK_BYTES)
         self.requests: dict[str, list[Sequence]] = {}
         self.last_plan: Optional[SchedulerOutput] = None
         self.last_schedule_seconds = 0.0
-        self.last_starts: list[int] = []
 
     def add(self, request_id: str, request: Request) -> Sequence:
         seq = Sequence(request_id, list(request.prompt), request.params(), self.config.block_size,
@@ -53,15 +47,18 @@ class ModelFreeEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def last_starts(self) -> list[int]:
+        """Where each chunk of the last plan started."""
+        return [chunk.start for chunk in self.last_plan.scheduled]
+
     def step(self) -> StepResult:
         start = time.perf_counter()
         plan = self.last_plan = self.scheduler.schedule(SchedulerOutput())
         self.last_schedule_seconds = time.perf_counter() - start
-        self.last_starts = [seq.num_computed_tokens for seq, _ in plan.scheduled]  # before postprocess moves them
-        self.metrics.num_cow_copies += len(plan.moves.copies)
-        self.metrics.num_swapped_out_blocks += len(plan.moves.swap_out)
-        self.metrics.num_swapped_in_blocks += len(plan.moves.swap_in)
-        result = self.scheduler.postprocess(plan, [PLACEHOLDER_TOKEN] * len(plan.draws()), now=0.0)
+        self.metrics.record_plan(plan, BLOCK_BYTES)
+        result = self.scheduler.postprocess(plan, [PLACEHOLDER_TOKEN] * len(plan.draws), now=0.0)
+        self.metrics.record_result(plan, result)
         for child in result.forked:
             self.requests[child.request_id].append(child)
         return result

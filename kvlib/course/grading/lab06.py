@@ -10,11 +10,11 @@ import random
 from collections import Counter
 from functools import partial
 
-from kvlib.block_allocator import BlockAllocator
-from kvlib.config import SamplingParams
+from kvlib.config import EngineConfig, SamplingParams
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
+from kvlib.pieces import Pieces, build_core
 from kvlib.sequence import Sequence
 
 HIDDEN = {name: f"kvlib.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
@@ -30,7 +30,8 @@ BS = 4
 
 # ---- the scene -----------------------------------------------------------------------------------
 def scene(cls, *sizes: int, gpu: int = 16, cpu: int = 16) -> list:  # the learner's manager, a sequence per size
-    bm = cls(BS, BlockAllocator(gpu), BlockAllocator(cpu))
+    config = EngineConfig(block_size=BS, num_gpu_blocks=gpu, num_cpu_blocks=cpu, watermark=0.0)
+    bm, _ = build_core(config, Pieces(block_manager=cls).with_defaults(config), num_device_blocks=gpu, block_bytes=1)
     return [bm] + [sequence(bm, "abc"[i], size) for i, size in enumerate(sizes)]
 
 
