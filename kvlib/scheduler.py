@@ -1,7 +1,8 @@
 """The scheduler: which sequences run this step, for how many tokens, and who is preempted.
 
 Policy only: queues, order, the token budget and the victim loop. Every block question goes
-to the :class:`~kvlib.block_manager.BlockManager`. Each step it
+to the :class:`~kvlib.block_manager.BlockManager`. Each step it fills the plan
+(:class:`~kvlib.plan.SchedulerOutput`), once:
 
 1. gives every running sequence, oldest first, its next tokens within the budget, preempting
    the policy's victims while the block manager says it cannot grow;
@@ -163,7 +164,8 @@ class Scheduler:
         computed, peak = seq.num_computed_tokens, seq.peak_computed_tokens
         self.bm.grow(seq, end)
         forks = [seq.spawn_sample(i) for i in range(1, seq.params.n)] if seq.pending_forks and end == seq.num_tokens else ()
-        out.add(seq, num_new, forks, min(end, peak) - computed if peak > computed else 0)
+        redone = min(end, peak) - computed if peak > computed else 0  # below its peak: computed before, then lost
+        out.add(seq, num_new, forks, redone)
 
     # ---- preemption ---------------------------------------------------------------------------
     def _candidates(self, requester: Sequence, out: SchedulerOutput) -> list[VictimCandidate]:
