@@ -1,0 +1,140 @@
+"""The scheduler with no model, over many workloads: exact token accounting, limits and refusals.
+
+Pins down that every request ends with exactly the tokens it asked for, that the positions
+computed add up to each prompt and output once plus exactly the tokens preemption made
+recomputed (in pools tight enough to preempt and to fall back from swap), that no step exceeds the token budget or ``max_num_seqs``, that the counters of
+preemption agree with each other, that a stop token ends a request early, that a step with a
+sequence mid-prefill draws no token for it, and each reason ``why_never`` gives, at its edge.
+"""
+import random
+
+import pytest
+
+from kvlib.cli.bench.driver import ModelFreeEngine
+from kvlib.cli.bench.workloads import Request
+from kvlib.config import EngineConfig, SamplingParams
+from kvlib.invariants import check_invariants
+from kvlib.sequence import Sequence, SequenceStatus
+
+BS = 4
+
+
+def engine(**config) -> ModelFreeEngine:
+    return ModelFreeEngine(EngineConfig(**{"block_size": BS, "watermark": 0.0, **config}))
+
+
+def workload(seed: int, count: int = 7) -> list[Request]:
+    rng = random.Random(seed)
+    return [Request([rng.randrange(50) for _ in range(rng.randint(1, 14))], rng.randint(1, 12), arrival=i)
+            for i in range(count)]
+
+
+def run_to_end(e: ModelFreeEngine, config: EngineConfig) -> int:
+    """Step until every request is done, checking the bookkeeping and the limits; return the tokens computed."""
+    computed, steps = 0, 0
+    while e.has_unfinished():
+        e.step()
+        check_invariants(e)
+        batch = sum(n for _, n in e.last_plan.scheduled)
+        assert 0 < batch <= config.max_num_batched_tokens
+        assert len(e.scheduler.running) <= config.max_num_seqs
+        computed += batch
+        steps += 1
+        assert steps < 2000, "the workload never finished"
+    return computed
+
+
+CONFIGS = [dict(preemption_mode=mode, partial_preemption=partial, max_num_batched_tokens=budget,
+                num_gpu_blocks=gpu, num_cpu_blocks=cpu, max_num_seqs=seqs)
+           for mode in ("swap", "recompute") for partial in (False, True)
+           for budget, gpu, cpu, seqs in ((64, 8, 32, 8), (6, 6, 2, 3))]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_every_position_is_computed_once_plus_what_preemption_lost(config):
+    preemptions, swapped, fallbacks = 0, 0, 0
+    for seed in range(6):
+        e = engine(**config)
+        requests = workload(seed)
+        for i, request in enumerate(requests):
+            e.add(f"r{i}", request)
+        computed = run_to_end(e, e.config)
+        m = e.metrics
+        for i, request in enumerate(requests):
+            seq = e.requests[f"r{i}"][0]
+            assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "length"
+            assert len(seq.output_token_ids) == request.max_tokens
+        expected = sum(len(r.prompt) + r.max_tokens - 1 for r in requests)  # the last token is never computed
+        assert computed == expected + m.num_recomputed_tokens
+        assert m.num_preemptions == m.num_preemptions_swap + m.num_preemptions_recompute
+        assert m.num_swapped_in_blocks <= m.num_swapped_out_blocks  # a recompute drops the host copies too
+        if m.num_preemptions_recompute == 0:
+            assert m.num_swapped_in_blocks == m.num_swapped_out_blocks
+        assert sum(s.num_preemptions for seqs in e.requests.values() for s in seqs) == m.num_preemptions
+        assert e.block_manager.gpu.num_free == config["num_gpu_blocks"] and e.block_manager.cpu.num_used == 0
+        if config["preemption_mode"] == "recompute":
+            assert m.num_preemptions_swap == 0 and m.num_swapped_out_blocks == 0
+        else:
+            assert m.num_preemptions_swap == m.num_preemptions - m.num_swap_fallbacks
+        preemptions, swapped, fallbacks = (preemptions + m.num_preemptions, swapped + m.num_swapped_out_blocks,
+                                           fallbacks + m.num_swap_fallbacks)
+    if config["num_gpu_blocks"] == 6:  # the tight pools: the checks above saw preemption of every kind
+        assert preemptions > 0
+        if config["preemption_mode"] == "swap":
+            assert swapped > 0 and fallbacks > 0
+
+
+def test_a_stop_token_ends_a_request_before_max_tokens():
+    e = engine(num_gpu_blocks=8)
+    seq = Sequence("s", [5, 6, 7], SamplingParams(max_tokens=9, stop_token_ids=[0]), BS, 0.0)
+    e.scheduler.add(seq)  # the model-free engine samples token 0 every time
+    result = e.step()
+    assert result.finished == [seq] and seq.finish_reason == "stop" and seq.output_token_ids == [0]
+    assert not e.has_unfinished() and e.block_manager.gpu.num_free == 8
+
+
+def test_a_sequence_mid_prefill_draws_no_token():
+    e = engine(num_gpu_blocks=16, max_num_batched_tokens=10)
+    a = e.add("a", Request(list(range(8)), 2, arrival=0))
+    b = e.add("b", Request(list(range(8)), 2, arrival=1))
+    first = e.step()
+    assert first.sampled == [a] and b.num_computed_tokens == 2 and b.output_token_ids == []
+    second = e.step()
+    assert second.sampled == [a, b] and second.finished == [a]
+    assert [len(s.output_token_ids) for s in (a, b)] == [2, 1]
+
+
+def test_samples_each_draw_their_own_token_after_a_shared_prompt():
+    e = engine(num_gpu_blocks=16, max_num_seqs=4)
+    e.add("p", Request(list(range(6)), 2, n=3, arrival=0))
+    first = e.step()
+    samples = e.requests["p"]
+    assert len(first.forked) == 2 and first.sampled == samples and len(samples) == 3
+    assert [s.sample_index for s in samples] == [0, 1, 2] and len(e.scheduler.running) == 3
+    assert all(s.output_token_ids == [0] for s in samples)
+    e.step()
+    assert all(s.status is SequenceStatus.FINISHED for s in samples)
+
+
+@pytest.mark.parametrize("prompt, max_tokens, n, reason", [
+    (12, 4, 2, None),
+    (13, 3, 1, "its prompt of 13 tokens needs 4 KV blocks of 4 tokens, more than the 3 the pool can ever "
+               "admit; raise num_gpu_blocks or shorten the prompt"),
+    (12, 5, 1, "prompt (12 tokens) plus max_tokens (5) needs 5 KV blocks of 4 tokens but the pool has 4; "
+               "raise num_gpu_blocks or lower max_tokens"),
+    (4, 1, 3, "its n=3 samples run as 3 sequences, more than max_num_seqs=2; raise max_num_seqs or lower n"),
+])
+def test_why_never_names_the_limit_at_its_edge(prompt, max_tokens, n, reason):
+    e = engine(num_gpu_blocks=4, watermark=0.25, max_num_seqs=2)  # one block kept free for admission
+    seq = Sequence("x", list(range(prompt)), SamplingParams(max_tokens=max_tokens, n=n), BS, 0.0)
+    assert e.scheduler.why_never(seq) == reason
+
+
+def test_a_request_waits_while_the_budget_is_spent():
+    e = engine(num_gpu_blocks=16, max_num_batched_tokens=4)
+    a = e.add("a", Request(list(range(4)), 3, arrival=0))
+    b = e.add("b", Request(list(range(3)), 3, arrival=1))
+    e.step()
+    assert a.num_computed_tokens == 4 and b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
+    e.step()
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (5, 3)
