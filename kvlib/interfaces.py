@@ -9,6 +9,7 @@ piece keeps its contract.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
@@ -18,7 +19,7 @@ from kvlib.attention.capabilities import BackendCapabilities
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.block_allocator import AllocStatus
 from kvlib.metrics import EngineMetrics
-from kvlib.preemption import LatestArrivalPolicy, PreemptionContext, PreemptionCostModel, VictimCandidate
+from kvlib.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
 
 
 @runtime_checkable
@@ -225,11 +226,19 @@ def protocol_members(protocol: type) -> list[str]:
 
 
 def check_implements(piece, protocol: type, argument: str) -> None:
-    """A plugged-in piece that lacks part of its protocol is refused when the engine is built, not mid-step."""
-    missing = [name for name in protocol_members(protocol) if not _has(piece, name)]
+    """A plugged-in piece is refused when the engine is built, not mid-step, if it lacks part of its protocol,
+    if a method cannot take the arguments the engine passes, or if it defines a near-namesake of a method the
+    engine calls: in a subclass of kvlib's own class, the inherited method would run in its place, unnoticed."""
+    members = protocol_members(protocol)
+    missing = [name for name in members if not _has(piece, name)]
     if missing:
         raise TypeError(f"{argument}={piece!r} does not implement kvlib.interfaces.{protocol.__name__}: it has no "
                         f"{', '.join(missing)}; see that protocol's docstring for what each must do")
+    problems = [problem for name in members if (problem := _call_problem(piece, protocol, name))]
+    problems += _near_namesakes(piece, members)
+    if problems:
+        raise TypeError(f"{argument}={piece!r} does not fit kvlib.interfaces.{protocol.__name__}: "
+                        f"{'; '.join(problems)}")
 
 
 def _has(piece, name: str) -> bool:
@@ -239,6 +248,49 @@ def _has(piece, name: str) -> bool:
         return True
     except AttributeError:
         return hasattr(piece, name)  # provided through __getattr__
+
+
+def _call_problem(piece, protocol: type, name: str) -> Optional[str]:
+    """What stops the engine calling ``piece.name`` as the protocol declares it (None: nothing can be seen)."""
+    declared = vars(protocol).get(name)
+    if not inspect.isfunction(declared):
+        return None  # an attribute or a property
+    if isinstance(inspect.getattr_static(piece, name, None), property):
+        return f"{name} is a property, but the engine calls it as a method {_call(name, declared)}"
+    method = getattr(piece, name)
+    if not callable(method):
+        return f"{name} is {method!r}, but the engine calls it as a method {_call(name, declared)}"
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature to read
+    params = list(inspect.signature(declared).parameters.values())[1:]
+    required = [p for p in params if p.default is p.empty]
+    for args in (required, params):
+        try:
+            signature.bind(*args)
+        except TypeError:
+            return f"{name}{_plain(signature)} cannot be called as {name}({', '.join(p.name for p in args)})"
+    return None
+
+
+def _call(name: str, declared) -> str:
+    """``name(a, b=None)``: how the protocol declares a method, without ``self``."""
+    signature = inspect.signature(declared)
+    return f"{name}{_plain(signature.replace(parameters=list(signature.parameters.values())[1:]))}"
+
+
+def _plain(signature: inspect.Signature) -> str:
+    """``(a, b=None)``: a signature without its annotations, as an error message shows it."""
+    return f"({', '.join(str(p.replace(annotation=p.empty)) for p in signature.parameters.values())})"
+
+
+def _near_namesakes(piece, members: list[str]) -> list[str]:
+    """Public methods the piece's own classes (not kvlib's) define under a name close to a member's, never called."""
+    own = {name for cls in type(piece).__mro__ if cls is not object and not cls.__module__.startswith("kvlib.")
+           for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
+    return [f"it defines {name}, which the engine never calls: is it meant to be {close[0]}?"
+            for name in sorted(own - set(members)) if (close := difflib.get_close_matches(name, members, 1, 0.8))]
 
 
 def check_attention_backend(backend, dtype: torch.dtype) -> None:
@@ -256,14 +308,26 @@ def check_attention_backend(backend, dtype: torch.dtype) -> None:
 
 
 def check_preemption_policy(policy, preemption_mode: str) -> None:
-    """The mode has one owner: ``EngineConfig.preemption_mode``; a policy may choose only in auto mode."""
-    if not callable(getattr(policy, "select_victim", None)):
+    """The mode has one owner, ``EngineConfig.preemption_mode``: a policy always chooses victims, and brings a
+    choice of mode of its own only in auto mode, the one mode that asks it (a fixed mode would ignore it)."""
+    if not _has(policy, "select_victim"):
         raise TypeError(f"the preemption policy {policy!r} has no select_victim(candidates, shortfall) method")
-    own_choice = getattr(type(policy), "choose_mode", None)
-    if preemption_mode == "auto" and own_choice is None:
+    if preemption_mode == "auto" and not _has(policy, "choose_mode"):
         raise TypeError(f"preemption_mode='auto' asks the policy to choose swap or recompute, but {policy!r} "
                         f"has no choose_mode(victim, context) method")
-    if preemption_mode != "auto" and own_choice not in (None, LatestArrivalPolicy.choose_mode):
+    problems = [problem for name in ("select_victim", "choose_mode")
+                if _has(policy, name) and (problem := _call_problem(policy, PreemptionPolicy, name))]
+    if problems:
+        raise TypeError(f"preemption_policy={policy!r} does not fit kvlib.interfaces.PreemptionPolicy: "
+                        f"{'; '.join(problems)}")
+    if preemption_mode != "auto" and _has(policy, "choose_mode") and _written_outside_kvlib(policy.choose_mode):
         raise ValueError(f"{type(policy).__name__} chooses between swap and recompute itself (it defines "
-                         f"choose_mode), but EngineConfig.preemption_mode={preemption_mode!r} fixes the mode; set "
-                         f"preemption_mode='auto' to let the policy choose")
+                         f"choose_mode), but EngineConfig.preemption_mode={preemption_mode!r} fixes the mode and never "
+                         f"asks it; set preemption_mode='auto' to let the policy choose")
+
+
+def _written_outside_kvlib(method) -> bool:
+    """Whether a method is the piece's own code, not one of kvlib's (a kvlib policy's ``choose_mode`` is simply
+    never asked in a fixed mode)."""
+    module = getattr(getattr(method, "__func__", method), "__module__", None) or ""
+    return not module.startswith("kvlib.")

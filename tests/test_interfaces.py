@@ -8,8 +8,15 @@ import torch
 from kvlib import LLM, EngineConfig, interfaces
 from kvlib.attention.capabilities import FLOAT_DTYPES, BackendCapabilities
 from kvlib.attention.torch_backend import TorchAttentionBackend
+from kvlib.block_allocator import BlockAllocator
+from kvlib.block_manager import BlockManager
 from kvlib.decode_graphs import graph_safe
 from kvlib.kernels import triton_available
+from kvlib.oversubscription import OversubscriptionDetector
+from kvlib.preemption import LatestArrivalPolicy, SparingPolicy
+from kvlib.prefix_cache import HostPrefixTier
+from kvlib.scheduler import Scheduler
+from kvlib.sharing import BlockSharing
 from kvlib.warm_up import warm_up
 
 
@@ -100,3 +107,92 @@ def test_a_dtype_the_backend_does_not_compute_is_refused_naming_the_backend_and_
     with pytest.raises(ValueError, match="attention backend 'torch' computes in float16, bfloat16, not float32: "
                                          r"set EngineConfig\(dtype=...\)"):
         interfaces.check_attention_backend(backend, torch.float32)
+
+
+# ---- check_implements can fail on a subclass of kvlib's own class -----------------------------------------
+def test_every_kvlib_piece_fits_its_protocol():
+    pieces = [(BlockAllocator(4), interfaces.BlockAllocator), (TorchAttentionBackend(), interfaces.AttentionBackend),
+              (BlockSharing(), interfaces.BlockSharing), (HostPrefixTier(BlockAllocator(4)), interfaces.HostPrefixTier),
+              (OversubscriptionDetector(), interfaces.OversubscriptionDetector)]
+    for piece, protocol in pieces:
+        interfaces.check_implements(piece, protocol, "piece")
+
+
+@pytest.mark.parametrize("method, message", [
+    ("def free(self):\n    pass", r"free\(\) cannot be called as free\(block_id\)"),
+    ("def can_allocate(self, num_blocks, watermark_blocks):\n    pass",
+     r"can_allocate\(num_blocks, watermark_blocks\) cannot be called as can_allocate\(num_blocks\)"),
+    ("@property\ndef ref_count(self):\n    raise NotImplementedError('Task 1')",
+     r"ref_count is a property, but the engine calls it as a method ref_count\(block_id\)"),
+    ("def alocate(self):\n    return 0", "it defines alocate, which the engine never calls: is it meant to be allocate?"),
+])
+def test_a_subclass_whose_method_the_engine_cannot_call_is_refused(method, message):
+    """The subclass inherits every member, so a missing-member check alone could never fail on it."""
+    namespace = {}
+    exec("class Mine(BlockAllocator):\n" + "".join(f"    {line}\n" for line in method.splitlines()),
+         {"BlockAllocator": BlockAllocator}, namespace)
+    with pytest.raises(TypeError, match=f"allocator=.* does not fit kvlib.interfaces.BlockAllocator: {message}"):
+        interfaces.check_implements(namespace["Mine"](4), interfaces.BlockAllocator, "allocator")
+
+
+def test_the_engine_refuses_a_block_manager_whose_override_is_misnamed(folder):
+    class Misnamed(BlockManager):
+        def swap_outt(self, seq, count=None):
+            raise AssertionError("never called: the inherited swap_out runs instead")
+    with pytest.raises(TypeError, match="block_manager=.* does not fit kvlib.interfaces.PreemptionMechanism: it defines "
+                                        "swap_outt, which the engine never calls: is it meant to be swap_out?"):
+        LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16), block_manager=Misnamed, verbose=False)
+
+
+def test_the_engine_refuses_a_scheduler_step_that_cannot_take_the_budget(folder):
+    class NoBudget(Scheduler):
+        def schedule_running(self, out):
+            return 0
+    with pytest.raises(TypeError, match=r"scheduler=.* does not fit kvlib.interfaces.SchedulingStep: "
+                                        r"schedule_running\(out\) cannot be called as schedule_running\(out, budget\)"):
+        LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16), scheduler=NoBudget, verbose=False)
+
+
+# ---- the preemption policy is checked against its contract, not against kvlib's default class --------------
+class Delegating:
+    """A wrapper that records each victim its policy picks: every other member comes from the wrapped policy."""
+
+    def __init__(self, policy):
+        self.policy, self.victims = policy, []
+
+    def select_victim(self, candidates, shortfall):
+        victim = self.policy.select_victim(candidates, shortfall)
+        self.victims.append(victim)
+        return victim
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+class Chooser(LatestArrivalPolicy):
+    def choose_mode(self, victim, context):
+        return "swap"
+
+
+def test_a_policy_whose_choice_comes_through_delegation_may_choose_in_auto_mode():
+    for mode in ("auto", "swap", "recompute"):
+        interfaces.check_preemption_policy(Delegating(LatestArrivalPolicy()), mode)
+        interfaces.check_preemption_policy(SparingPolicy(), mode)
+
+
+def test_a_choice_of_its_own_in_a_fixed_mode_is_refused_however_the_policy_is_built():
+    interfaces.check_preemption_policy(Chooser(), "auto")
+    for policy in (Chooser(), Delegating(Chooser())):
+        with pytest.raises(ValueError, match="fixes the mode and never asks it; set preemption_mode='auto'"):
+            interfaces.check_preemption_policy(policy, "swap")
+
+
+def test_a_policy_whose_methods_the_engine_cannot_call_is_refused():
+    class NoShortfall(LatestArrivalPolicy):
+        def select_victim(self, candidates):
+            return candidates[-1]
+    with pytest.raises(TypeError, match=r"select_victim\(candidates\) cannot be called as "
+                                        r"select_victim\(candidates, shortfall\)"):
+        interfaces.check_preemption_policy(NoShortfall(), "recompute")
+    with pytest.raises(TypeError, match=r"has no choose_mode\(victim, context\) method"):
+        interfaces.check_preemption_policy(Delegating(object()), "auto")
