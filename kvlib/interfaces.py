@@ -142,16 +142,21 @@ class OversubscriptionDetector(Protocol):
 class SchedulingStep(Protocol):
     """One step of continuous batching (``LLM(scheduler=MyScheduler)``, a ``Scheduler`` subclass).
 
-    ``schedule_running(out, budget)`` gives each running sequence, oldest first, up to its
-    uncomputed tokens within the token ``budget``, asking ``make_room(seq, end, out)`` (which
-    preempts victims, or the sequence itself) before ``start(seq, num_new, end, out)`` puts it in
-    the plan; it returns the budget left. ``schedule_waiting(out, budget)`` then resumes swapped
-    and admits waiting sequences, oldest arrival first across both queues, and stops at the first
-    that does not fit: not past ``max_num_seqs`` (``running_slots`` plus the sequence's
-    ``num_slots``), not past the budget, not below the watermark unless nothing is running (ask
-    the block manager: ``can_swap_in``/``swap_in``, ``prefix_hits``/``can_admit``/``admit``).
-    Must keep true: no sequence is planned twice in a step, nor past the budget. The engine
-    guarantees that ``schedule_waiting`` runs only in steps without a preemption.
+    The step's plan is made in two passes; each adds to the plan ``out`` and returns the token budget
+    it leaves. ``schedule_running(out, budget)``: every running sequence, oldest first, is planned its
+    uncomputed tokens, or what the budget has left if that is less. Before a sequence is planned it
+    must have room to grow; making room may preempt running sequences not yet planned, or the
+    sequence itself, which is then not planned. ``schedule_waiting(out, budget)``: the swapped and
+    the waiting sequences stand in one line, oldest arrival first, and each resumes or starts while
+    it fits: within the budget, within ``max_num_seqs`` (counting the samples its request will
+    fork), and, while anything runs, leaving the watermark free; the block manager says whether its
+    blocks fit. The first that does not fit stops the line, so no newer one overtakes it.
+
+    Must keep true: no sequence is planned twice in a step, nor for 0 tokens, nor past its end, nor
+    past the budget. The engine guarantees that ``schedule_waiting`` runs only in steps without a
+    preemption, so nothing a step swaps out is resumed by it, and that after the step it records
+    what was computed and sampled: the two passes only plan. The actions they plan with are the base
+    class's (``kvlib.scheduler.Scheduler``; lab 04 lists them).
     """
 
     def schedule_running(self, out, budget: int) -> int: ...
@@ -165,17 +170,22 @@ class PreemptionMechanism(Protocol):
     a ``BlockManager`` subclass).
 
     ``swap_out(seq, count)`` moves the sequence's last ``count`` device blocks (None: all) to new
-    host blocks, adding one ``(device, host)`` pair per block to ``moves.swap_out`` and putting the
-    host ids, in order, before ``seq.host_blocks``; ``swap_in(seq)`` brings its host blocks back to
-    new device blocks (``moves.swap_in``); ``drop(seq, count)`` lets go of the last ``count``
-    device blocks and every host copy, returning the computed tokens lost. ``host_blocks_needed``
-    says how many host blocks a swap-out would allocate. Use ``take()`` for a device block,
-    ``release(seq, count)`` to let go of device blocks, ``free_host`` to let go of a host block and
-    ``hold_host`` to keep one that a move of this step reads or writes from being reused before
-    the move runs (``end_step`` lets go of the holds). Must keep true: every reference taken is
-    released exactly once, and each move reads what its source held when the step began. The
-    engine guarantees the caller made room on the host first and copies the moves before the
-    step's forward pass, device to host first.
+    host blocks: it keeps its computed tokens, and its host blocks, in position order, now begin
+    with the new ones. ``swap_in(seq)`` brings every host block back into a new device block, in
+    order, after its device blocks, and lets go of the host blocks. ``drop(seq, count)`` lets go of
+    the last ``count`` device blocks (None: all) and of every host block, and returns the computed
+    tokens lost. ``host_blocks_needed(seqs, count)`` says how many host blocks ``swap_out`` of each
+    of ``seqs`` would allocate. None of them copies K/V: each records the copies its move implies,
+    and the engine makes them all between the planning and the forward pass.
+
+    Must keep true: every block reference taken is let go of exactly once (a block shared with
+    other sequences stays theirs), and each copy reads what its source held when the step began,
+    so a block that a copy of this step reads or writes goes to no one else before the copies run.
+    The engine guarantees that the scheduler asked ``host_blocks_needed`` and made that much room
+    on the host first (or recomputes instead), that nothing a step swaps out is swapped in by it,
+    that the copies run device to host first, and that a request's blocks go through ``drop(seq)``
+    when it finishes or is aborted. The block actions the methods use are the base class's
+    (``kvlib.block_manager.BlockManager``; lab 06 lists them).
     """
 
     def swap_out(self, seq, count: Optional[int] = None) -> None: ...
