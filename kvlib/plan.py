@@ -81,16 +81,18 @@ class SchedulerOutput:
     moves: BlockMoves = field(default_factory=BlockMoves)
     num_logits_rows: int = 0  # sequences that sample: one row each, shared by their new samples
 
-    def add(self, seq: Sequence, num_new: int, forks: list[Sequence] = (), recomputed: int = 0) -> None:
+    def add(self, seq: Sequence, num_new: int, forks: list[Sequence] = ()) -> None:
         """Plan ``num_new`` tokens of ``seq`` from its ``num_computed_tokens`` on, and the samples that fork
         once it has computed its last token (``forks``: only a chunk that reaches its end has any).
 
-        A chunk that reaches the sequence's end gets the next logits row, drawn once for the
-        sequence and once for each of its new samples, which share the row.
+        Tokens below the sequence's peak were computed before and lost to a preemption: they are
+        redone. A chunk that reaches the sequence's end gets the next logits row, drawn once for
+        the sequence and once for each of its new samples, which share the row.
         """
-        start = seq.num_computed_tokens
-        samples = start + num_new == seq.num_tokens
-        self.scheduled.append(ScheduledChunk(seq, start, num_new, samples, recomputed))
+        start, peak = seq.num_computed_tokens, seq.peak_computed_tokens
+        end = start + num_new
+        samples = end == seq.num_tokens
+        self.scheduled.append(ScheduledChunk(seq, start, num_new, samples, min(end, peak) - start if peak > start else 0))
         if samples:
             row = self.num_logits_rows
             self.num_logits_rows = row + 1

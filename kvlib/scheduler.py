@@ -161,11 +161,9 @@ class Scheduler:
 
     def start(self, seq: Sequence, num_new: int, end: int, out: SchedulerOutput) -> None:
         """Give ``seq`` its blocks up to ``end`` and put its chunk in the plan, with the samples that fork after it."""
-        computed, peak = seq.num_computed_tokens, seq.peak_computed_tokens
         self.bm.grow(seq, end)
         forks = [seq.spawn_sample(i) for i in range(1, seq.params.n)] if seq.pending_forks and end == seq.num_tokens else ()
-        redone = min(end, peak) - computed if peak > computed else 0  # below its peak: computed before, then lost
-        out.add(seq, num_new, forks, redone)
+        out.add(seq, num_new, forks)
 
     # ---- preemption ---------------------------------------------------------------------------
     def _candidates(self, requester: Sequence, out: SchedulerOutput) -> list[VictimCandidate]:
