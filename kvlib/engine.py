@@ -35,7 +35,7 @@ class LLMEngine:
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
                  verbose: bool = True, **pieces):
         self.config = config = config or EngineConfig()
-        pieces = Pieces.from_keywords("LLMEngine", **pieces).with_defaults(config)
+        pieces = Pieces.from_keywords(**pieces).with_defaults(config)
         self.policy = pieces.preemption_policy
         self.oversubscription = pieces.oversubscription_detector
         model = self._load(model)

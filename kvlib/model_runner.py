@@ -16,12 +16,12 @@ import time
 
 import torch
 
+from kvlib.cost_model import PreemptionCostModel
 from kvlib.cost_probe import measure_cost_model
 from kvlib.decode_graphs import CudaGraphCapture, DecodeGraphs, batch_buckets, graph_safe
 from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_blocks_reading_first
 from kvlib.memory_profile import device_blocks_that_fit
 from kvlib.plan import BlockMoves, ScheduledChunk, SchedulerOutput
-from kvlib.preemption import PreemptionCostModel
 from kvlib.sampler import Sampler
 from kvlib.step_inputs import Chunk, InputBuffers, table_width
 from kvlib.streams import streams_for

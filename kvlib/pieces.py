@@ -37,13 +37,13 @@ class Pieces:
     host_prefix_tier: Optional[Callable] = None  # called with the host pool's allocator
 
     @classmethod
-    def from_keywords(cls, caller: str, **pieces) -> "Pieces":
-        """The pieces passed to ``caller`` as keyword arguments, a misspelt one named with the right names."""
+    def from_keywords(cls, **pieces) -> "Pieces":
+        """The pieces passed as keyword arguments; a misspelt one is named, with the names there are."""
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(pieces) - set(names))
         if unknown:
-            raise TypeError(f"{caller} got an unexpected keyword argument {unknown[0]!r}; the pieces it takes "
-                            f"are {', '.join(names)}")
+            raise TypeError(f"unexpected keyword argument {unknown[0]!r}: the pieces you can pass are "
+                            f"{', '.join(names)} (kvlib.pieces.Pieces)")
         return cls(**pieces)
 
     def with_defaults(self, config: EngineConfig) -> "Pieces":

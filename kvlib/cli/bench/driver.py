@@ -30,7 +30,7 @@ class ModelFreeEngine:
             raise ValueError("a model-free run has no device to size the pool from: set num_gpu_blocks")
         self.config = config
         self.metrics = EngineMetrics(history=config.metrics_history)
-        pieces = Pieces.from_keywords("ModelFreeEngine", **pieces).with_defaults(config)
+        pieces = Pieces.from_keywords(**pieces).with_defaults(config)
         self.block_manager, self.scheduler = build_core(config, pieces, num_device_blocks=config.num_gpu_blocks,
                                                         block_bytes=BLOCK_BYTES)
         self.requests: dict[str, list[Sequence]] = {}
