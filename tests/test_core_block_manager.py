@@ -214,3 +214,25 @@ def test_an_evicted_block_is_demoted_once_and_only_while_the_host_has_room():
     assert moves.demote == [(0, 0)] and [e.tokens for e in bm.host_tier] == [(20, 21, 22, 23)]
     assert manager(gpu=1, enable_prefix_caching=True).take() == 0
 
+
+
+def test_a_block_filled_to_its_last_slot_is_swapped_out_once_for_every_sample():
+    bm = manager()
+    parent = running(bm, 8)  # two blocks, both exactly full
+    child = sequence(8, "child")
+    bm.fork(parent, child)
+    bm.begin_step()
+    bm.swap_out(parent)
+    bm.end_step()
+    bm.begin_step()  # a later step: both full blocks have host twins
+    assert bm.host_blocks_needed([child]) == 0
+    bm.swap_out(child)
+    assert not bm.end_step().swap_out and child.host_blocks == parent.host_blocks
+
+
+def test_the_cached_prefix_reaches_into_the_host_tier():
+    bm = manager(gpu=1, cpu=2, enable_prefix_caching=True, host_prefix_cache=True)
+    cached_and_released(bm, 4)
+    running(bm, range(20, 24), "other")  # evicts the cached block to the host tier
+    bm.end_step()
+    assert [h.on_host for h in bm.cached_prefix(list(range(100, 104)))] == [True]

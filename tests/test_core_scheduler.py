@@ -138,3 +138,44 @@ def test_a_request_waits_while_the_budget_is_spent():
     assert a.num_computed_tokens == 4 and b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
     e.step()
     assert (a.num_computed_tokens, b.num_computed_tokens) == (5, 3)
+
+
+def states(e: ModelFreeEngine) -> dict:
+    """Each request's status, device blocks, host blocks, computed tokens and preemptions."""
+    return {rid: (s.status.value, len(s.block_table), len(s.host_blocks), s.num_computed_tokens, s.num_preemptions)
+            for rid, (s, *_) in e.requests.items()}
+
+
+def test_the_newest_running_sequence_is_the_victim_not_the_requester():
+    e = engine(num_gpu_blocks=6, max_num_batched_tokens=64)
+    for name, arrival in (("a", 0), ("b", 1), ("c", 2)):
+        e.add(name, Request(list(range(8)), 4, arrival=arrival))
+    e.step()
+    e.step()  # a and b each need a third block: c, the newest, gives up both of its own
+    assert states(e) == {"a": ("running", 3, 0, 9, 0), "b": ("running", 3, 0, 9, 0),
+                         "c": ("waiting", 0, 0, 0, 1)}
+    assert e.metrics.num_recomputed_tokens == 8
+
+
+def test_a_paused_sequence_that_kept_blocks_gives_them_up_before_a_running_one():
+    e = engine(num_gpu_blocks=6, preemption_mode="recompute", partial_preemption=True, max_num_batched_tokens=64)
+    e.add("big", Request(list(range(16)), 8, arrival=1))
+    e.add("small", Request(list(range(3)), 8, arrival=0))
+    for _ in range(3):
+        e.step()
+    assert states(e)["big"] == ("waiting", 4, 0, 16, 1)  # it kept four of its five blocks
+    for _ in range(4):
+        e.step()  # small needs a third block at position 8: the waiting big gives one more
+    assert states(e) == {"big": ("waiting", 3, 0, 12, 2), "small": ("running", 3, 0, 9, 0)}
+    assert e.metrics.num_recomputed_tokens == 1 + 4
+
+
+def test_a_partial_swap_needs_host_room_for_the_tail_only():
+    e = engine(num_gpu_blocks=6, num_cpu_blocks=1, preemption_mode="swap", partial_preemption=True,
+               max_num_batched_tokens=64)
+    e.add("big", Request(list(range(16)), 8, arrival=1))
+    e.add("small", Request(list(range(3)), 8, arrival=0))
+    for _ in range(3):
+        e.step()
+    assert states(e)["big"] == ("swapped", 4, 1, 17, 1)  # one block on the host, nothing recomputed
+    assert e.metrics.num_swap_fallbacks == 0 and e.metrics.num_swapped_out_blocks == 1
