@@ -74,7 +74,7 @@ class LLMEngine:
             backend = make_attention_backend(choice)
             if verbose:
                 print(choice.describe(self.device))
-        interfaces.check_implements(backend, interfaces.AttentionBackend, "attention_backend")
+        interfaces.check_attention_backend(backend, self.dtype)
         return backend
 
     def _runner(self, model, backend) -> ModelRunner:

@@ -109,6 +109,13 @@ def test_a_dtype_the_backend_does_not_compute_is_refused_naming_the_backend_and_
         interfaces.check_attention_backend(backend, torch.float32)
 
 
+def test_the_engine_refuses_a_backend_that_cannot_compute_its_dtype_before_loading_the_pool(folder):
+    backend = DeclaredBackend(BackendCapabilities(graph_safe=False, dtypes=(torch.float16,)))
+    with pytest.raises(ValueError, match="computes in float16, not float32"):
+        LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16, dtype="float32"), attention_backend=backend,
+            verbose=False)
+
+
 # ---- check_implements can fail on a subclass of kvlib's own class -----------------------------------------
 def test_every_kvlib_piece_fits_its_protocol():
     pieces = [(BlockAllocator(4), interfaces.BlockAllocator), (TorchAttentionBackend(), interfaces.AttentionBackend),

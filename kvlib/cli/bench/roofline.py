@@ -67,7 +67,7 @@ def decode_plan(shape: dict, batch: int, contexts: tuple[int, int], block_size: 
     """A runner over a random model of ``shape`` and a decode plan of ``batch`` sequences: ``(runner, plan)``."""
     from kvlib.attention.torch_backend import TorchAttentionBackend
     from kvlib.model_runner import ModelRunner
-    from kvlib.scheduler import SchedulerOutput
+    from kvlib.plan import SchedulerOutput
     from kvlib.sequence import Sequence
 
     config, model, context_lens, needed, gen = random_decode_model(shape, batch, contexts, block_size, seed)
@@ -82,7 +82,7 @@ def decode_plan(shape: dict, batch: int, contexts: tuple[int, int], block_size: 
         seq = Sequence(str(i), prompt, SamplingParams(), block_size, 0.0)
         seq.block_table.blocks, ids = ids[:count], ids[count:]
         seq.num_computed_tokens = length - 1
-        plan.scheduled.append((seq, 1))
+        plan.add(seq, 1)
     return runner, plan, context_lens
 
 
