@@ -179,3 +179,16 @@ def test_a_partial_swap_needs_host_room_for_the_tail_only():
         e.step()
     assert states(e)["big"] == ("swapped", 4, 1, 17, 1)  # one block on the host, nothing recomputed
     assert e.metrics.num_swap_fallbacks == 0 and e.metrics.num_swapped_out_blocks == 1
+
+
+def test_forked_samples_hold_exactly_their_own_places_in_max_num_seqs():
+    e = engine(num_gpu_blocks=32, max_num_seqs=4, max_num_batched_tokens=6)
+    e.add("p", Request(list(range(6)), 4, n=3, arrival=0))
+    e.add("q", Request([1, 2], 4, arrival=1))
+    e.add("r", Request([3, 4], 4, arrival=2))
+    e.step()  # p's prompt spends the budget; its three samples will fill three of the four places
+    assert e.requests["q"][0].status is SequenceStatus.WAITING
+    e.step()
+    assert [s.status for s in e.requests["p"]] == [SequenceStatus.RUNNING] * 3
+    assert e.requests["q"][0].status is SequenceStatus.RUNNING  # the fourth place
+    assert e.requests["r"][0].status is SequenceStatus.WAITING and len(e.scheduler.running) == 4

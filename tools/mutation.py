@@ -3,7 +3,8 @@
 A developer's tool, not CI. It copies ``kvlib/`` and ``tests/`` into a scratch folder (the working
 tree is never touched), has mutmut write every mutant of the modules named, runs a seeded sample
 of them one at a time against the fast core tests, and prints the kill rate per module and every
-mutant that survived (file, line, what changed). ``pip install -e ".[mutation]"`` brings mutmut.
+mutant that survived (file, line, what changed). ``pip install -e ".[mutation]"`` brings mutmut;
+the tool needs Python 3.11 or newer (it reads pyproject.toml with ``tomllib``).
 
     python tools/mutation.py --sample 150 --seed 1
     python tools/mutation.py kvlib/sharing.py --sample 20 --seed 2 --tests tests/test_sharing.py
@@ -29,8 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-KILLED = {1, 3}     # mutmut's exit codes for a mutant that made a test fail
+# A mutant is caught when a test fails, or when the tests stop ending: a mutant that turns a loop
+# endless (a pool that never frees room, a queue never empty) is caught by mutmut's time limit.
+CAUGHT = {"killed", "timeout"}
 PYTEST_ARGS = ["-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:xdist", "-x", "-q"]
+# mutmut has no command that only writes the mutants, so they are written with its own functions (the
+# mutation extra pins the minor version these names come from).
 GENERATE = ("from mutmut.__main__ import create_mutants\n"
             "from mutmut.utils.file_utils import copy_src_dir, copy_also_copy_files\n"
             "copy_src_dir(); copy_also_copy_files(); create_mutants(1)\n")
@@ -123,28 +128,31 @@ def line_of(path: Path, function: str, text: str) -> int:
     return 0
 
 
-def report(scratch: Path, sample: list[str], names_by_module: dict[str, list[str]]) -> float:
-    """Print the kill rate per module and the survivors; return the overall kill rate."""
-    killed, total, survivors = Counter(), Counter(), []
+def report(scratch: Path, sample: list[str], names_by_module: dict[str, list[str]]) -> None:
+    """Print the kill rate per module (a timeout counts as a kill, and is counted apart) and the survivors."""
+    from mutmut.stats import status_by_exit_code
+
+    killed, timeouts, total, survivors = Counter(), Counter(), Counter(), []
     for module, names in names_by_module.items():
         codes = exit_codes(scratch, module)
         for name in set(sample) & set(names):
+            status = status_by_exit_code[codes[name]]
             total[module] += 1
-            if codes[name] in KILLED:
-                killed[module] += 1
-            else:
-                survivors.append(changed_line(scratch, module, name))
-    print(f"{'module':<28} {'mutants':>8} {'killed':>7} {'rate':>6}")
+            killed[module] += status in CAUGHT
+            timeouts[module] += status == "timeout"
+            if status not in CAUGHT:
+                survivors.append((status, changed_line(scratch, module, name)))
+    print(f"{'module':<28} {'mutants':>8} {'killed':>7} {'of them by timeout':>19} {'rate':>6}")
     for module in names_by_module:
         rate = killed[module] / total[module] if total[module] else float("nan")
-        print(f"{module:<28} {total[module]:>8} {killed[module]:>7} {rate:>6.0%}")
+        print(f"{module:<28} {total[module]:>8} {killed[module]:>7} {timeouts[module]:>19} {rate:>6.0%}")
     overall = sum(killed.values()) / max(1, sum(total.values()))
-    print(f"{'all':<28} {sum(total.values()):>8} {sum(killed.values()):>7} {overall:>6.0%}")
+    print(f"{'all':<28} {sum(total.values()):>8} {sum(killed.values()):>7} {sum(timeouts.values()):>19} "
+          f"{overall:>6.0%}")
     if survivors:
         print("\nsurvivors:")
-    for s in sorted(survivors, key=lambda s: (s.file, s.line)):
-        print(f"  {s.file}:{s.line}  {s.before}  ->  {s.after}   ({s.name})")
-    return overall
+    for status, s in sorted(survivors, key=lambda pair: (pair[1].file, pair[1].line)):
+        print(f"  {s.file}:{s.line}  {s.before}  ->  {s.after}   ({status}: {s.name})")
 
 
 def main(argv: list[str] | None = None) -> int:
