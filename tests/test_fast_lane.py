@@ -1,12 +1,12 @@
 """The fast lane (``pytest -m "not notebooks"``) leaves out every test file that runs a lesson or a lab.
 
-A new file that executes notebooks or grades labs but is missing from ``tests/conftest.py``'s
+A new file that executes notebooks or grades labs but is missing from ``tests/lanes.py``'s
 ``RUNS_NOTEBOOKS`` would slow the engine's lane by minutes without anyone noticing.
 """
 import re
 from pathlib import Path
 
-from conftest import RUNS_NOTEBOOKS
+from lanes import RUNS_NOTEBOOKS
 
 TESTS = Path(__file__).resolve().parent
 RUNS_A_NOTEBOOK = re.compile(r"execute_notebook\(|grading\.execute import|NotebookClient|grade_notebook\(|"
