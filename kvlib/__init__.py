@@ -1,5 +1,5 @@
 """kvlib: a paged-KV LLM inference engine, small enough to read, real enough to measure."""
-from kvlib.device import enable_triton_interpreter_without_gpu
+from kvlib.runner.device import enable_triton_interpreter_without_gpu
 
 enable_triton_interpreter_without_gpu()  # must precede any import of triton
 

@@ -14,22 +14,22 @@ from typing import Optional, Union
 
 from kvlib import interfaces
 from kvlib.config import EngineConfig, SamplingParams, is_integer
-from kvlib.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
+from kvlib.core.pieces import Pieces, build_core
+from kvlib.core.plan import SchedulerOutput, StepResult
+from kvlib.core.sequence import Sequence, sample_stream_seed
 from kvlib.metrics import EngineMetrics, StepRecord
 from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.loader import load_model
-from kvlib.model_runner import ModelRunner
 from kvlib.outputs import RequestOutput, SampleOutput
-from kvlib.pieces import Pieces, build_core
-from kvlib.plan import SchedulerOutput, StepResult
-from kvlib.sequence import Sequence, sample_stream_seed
+from kvlib.runner.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
+from kvlib.runner.model_runner import ModelRunner
 from kvlib.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvlib")
 
 
 class LLMEngine:
-    """Takes the pieces of :class:`~kvlib.pieces.Pieces` as keyword arguments (``allocator=``,
+    """Takes the pieces of :class:`~kvlib.core.pieces.Pieces` as keyword arguments (``allocator=``,
     ``preemption_policy=``, ``scheduler=`` ...), each replacing kvlib's own."""
 
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,

@@ -3,7 +3,7 @@
 Each protocol says what an implementation may do, what must stay true, and what the engine
 guarantees in return. The engine checks what it can when it is built (a missing method, a policy
 that conflicts with the configuration) and after every step in tests
-(:func:`kvlib.invariants.check_invariants`); whatever a plugged-in piece decides, the block
+(:func:`kvlib.core.invariants.check_invariants`); whatever a plugged-in piece decides, the block
 bookkeeping it is handed is consistent, and outputs stay token-for-token correct as long as the
 piece keeps its contract.
 """
@@ -17,9 +17,9 @@ import torch
 
 from kvlib.attention.capabilities import BackendCapabilities
 from kvlib.attention.metadata import AttentionMetadata
-from kvlib.block_allocator import AllocStatus
+from kvlib.core.block_allocator import AllocStatus
+from kvlib.core.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
 from kvlib.metrics import EngineMetrics
-from kvlib.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
 
 
 @runtime_checkable
@@ -31,7 +31,7 @@ class BlockAllocator(Protocol):
     a block is free exactly when its reference count is 0; ``allocate`` returns a free block with
     count 1; ``fork`` adds one owner to an owned block; ``free`` removes one and returns the block
     to the free list at 0; misuse (double free, an id out of range, an empty pool) raises
-    :class:`kvlib.block_allocator.BlockAllocatorError`. The engine guarantees: it asks
+    :class:`kvlib.core.block_allocator.BlockAllocatorError`. The engine guarantees: it asks
     ``can_allocate`` before allocating, counts every owner (sequences and the prefix cache), and
     never frees what it did not allocate or fork.
     """
@@ -156,7 +156,7 @@ class SchedulingStep(Protocol):
     past the budget. The engine guarantees that ``schedule_waiting`` runs only in steps without a
     preemption, so nothing a step swaps out is resumed by it, and that after the step it records
     what was computed and sampled: the two passes only plan. The actions they plan with are the base
-    class's (``kvlib.scheduler.Scheduler``; lab 04 lists them).
+    class's (``kvlib.core.scheduler.Scheduler``; lab 04 lists them).
     """
 
     def schedule_running(self, out, budget: int) -> int: ...
@@ -185,7 +185,7 @@ class PreemptionMechanism(Protocol):
     on the host first (or recomputes instead), that nothing a step swaps out is swapped in by it,
     that the copies run device to host first, and that a request's blocks go through ``drop(seq)``
     when it finishes or is aborted. The block actions the methods use are the base class's
-    (``kvlib.block_manager.BlockManager``; lab 06 lists them).
+    (``kvlib.core.block_manager.BlockManager``; lab 06 lists them).
     """
 
     def swap_out(self, seq, count: Optional[int] = None) -> None: ...

@@ -17,7 +17,7 @@ class LLM:
     """Serve prompts on a paged KV cache.
 
     Pluggable pieces, passed as keyword arguments, replace the engine's own, so your code runs inside
-    the real engine (the fields of :class:`kvlib.pieces.Pieces`); each one's contract is a protocol
+    the real engine (the fields of :class:`kvlib.core.pieces.Pieces`); each one's contract is a protocol
     in ``kvlib/interfaces.py``: ``allocator`` (a class or factory called with a pool's block count),
     ``preemption_policy``, ``attention_backend``, ``block_sharing``, ``oversubscription_detector``,
     and, as classes built with the engine's own arguments, ``scheduler`` (a ``Scheduler`` subclass

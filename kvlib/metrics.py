@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from kvlib.plan import SchedulerOutput, StepResult
-    from kvlib.sequence import Sequence
+    from kvlib.core.plan import SchedulerOutput, StepResult
+    from kvlib.core.sequence import Sequence
 
 DEFAULT_HISTORY = 10_000
 

@@ -3,11 +3,18 @@ import statistics
 
 import pytest
 
-from kvlib.cli.bench.memory import (ContiguousScheme, PagedScheme, Request, kv_bytes_rows, next_power_of_two,
-                                run_memory_bench, serve)
+from kvlib.cli.bench.memory import (
+    ContiguousScheme,
+    PagedScheme,
+    Request,
+    kv_bytes_rows,
+    next_power_of_two,
+    run_memory_bench,
+    serve,
+)
 from kvlib.cli.bench.report import format_table
 from kvlib.cli.bench.workloads import sharegpt_like_lengths
-from kvlib.block_table import blocks_for
+from kvlib.core.block_table import blocks_for
 
 NUM_REQUESTS, BLOCK_SIZE, MAX_LEN = 1000, 16, 2048
 MEMORY_SLOTS = 32 * MAX_LEN

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvlib.cli.bench import preemption, swap
-from kvlib.block_table import blocks_for
+from kvlib.core.block_table import blocks_for
 from kvlib.model.default import DEFAULT_CONFIG
 
 BLOCK_SIZES = (1, 16, 128)

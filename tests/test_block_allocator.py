@@ -3,8 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlib.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
-from kvlib.block_table import BlockTable, blocks_for
+from kvlib.core.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
+from kvlib.core.block_table import BlockTable, blocks_for
 
 operations = st.lists(st.tuples(st.sampled_from(["allocate", "fork", "free"]), st.integers(0, 10_000)), max_size=200)
 

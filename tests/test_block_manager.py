@@ -1,10 +1,10 @@
 """The block manager on its own: no model, no scheduler, exact block counts after each action."""
 import pytest
 
-from kvlib.block_allocator import BlockAllocator
-from kvlib.block_manager import BlockManager
 from kvlib.config import SamplingParams
-from kvlib.sequence import Sequence
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.sequence import Sequence
 
 BS = 4
 

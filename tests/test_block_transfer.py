@@ -11,9 +11,9 @@ import contextlib
 import pytest
 import torch
 
-from kvlib.block_transfer import StagedTransfer, host_runs
-from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_host_blocks
-from kvlib.streams import HostStreams
+from kvlib.runner.block_transfer import StagedTransfer, host_runs
+from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_host_blocks
+from kvlib.runner.streams import HostStreams
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=2, dtype=torch.float32)
 

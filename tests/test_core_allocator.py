@@ -6,9 +6,9 @@ error, a table's slots and tail, and that copy-on-write touches only the writer'
 """
 import pytest
 
-from kvlib.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
-from kvlib.block_table import BlockTable, blocks_for
-from kvlib.sharing import BlockSharing
+from kvlib.core.block_allocator import AllocStatus, BlockAllocator, BlockAllocatorError
+from kvlib.core.block_table import BlockTable, blocks_for
+from kvlib.core.sharing import BlockSharing
 
 
 def test_an_empty_pool_is_allowed_and_a_negative_one_refused():

@@ -8,11 +8,11 @@ move held once the step ends.
 """
 import pytest
 
-from kvlib.block_allocator import BlockAllocator
-from kvlib.block_manager import BlockManager
 from kvlib.config import SamplingParams
-from kvlib.prefix_cache import block_hash
-from kvlib.sequence import Sequence
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.prefix_cache import block_hash
+from kvlib.core.sequence import Sequence
 
 BS = 4
 

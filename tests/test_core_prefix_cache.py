@@ -6,8 +6,8 @@ holds exactly one reference per named block, that eviction takes the least recen
 block (a sequence's tail before its head) and that the host tier evicts its least recently used
 block that no move holds.
 """
-from kvlib.block_allocator import BlockAllocator
-from kvlib.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
 
 BS = 2
 

@@ -13,8 +13,8 @@ import pytest
 from kvlib.cli.bench.driver import ModelFreeEngine
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig, SamplingParams
-from kvlib.invariants import check_invariants
-from kvlib.sequence import Sequence, SequenceStatus
+from kvlib.core.invariants import check_invariants
+from kvlib.core.sequence import Sequence, SequenceStatus
 
 BS = 4
 

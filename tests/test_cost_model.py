@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from kvlib.cost_model import PreemptionCostModel, attention_pairs
-from kvlib.preemption import LatestArrivalPolicy, PreemptionContext
+from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.core.preemption import LatestArrivalPolicy, PreemptionContext
 
 BLOCK, BLOCK_BYTES = 16, 368_640
 

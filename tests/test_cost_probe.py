@@ -3,9 +3,15 @@ import pytest
 import torch
 
 from kvlib import LLM, EngineConfig
-from kvlib.cost_model import PreemptionCostModel, attention_pairs
-from kvlib.cost_probe import (ForwardTimings, fit_copy, forward_pass, measure_cost_model, time_returning_turns,
-                              time_victims)
+from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.runner.cost_probe import (
+    ForwardTimings,
+    fit_copy,
+    forward_pass,
+    measure_cost_model,
+    time_returning_turns,
+    time_victims,
+)
 
 BATCH, SMALL, CONTEXT = 8, 16, 1024
 

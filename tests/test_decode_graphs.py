@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.decode_graphs import DecodeGraphs, EagerCapture, batch_buckets, graph_safe
 from kvlib.kernels import triton_available
-from kvlib.step_inputs import Chunk
+from kvlib.runner.decode_graphs import DecodeGraphs, EagerCapture, batch_buckets, graph_safe
+from kvlib.runner.step_inputs import Chunk
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5], [6], [5, 3, 5]]
 

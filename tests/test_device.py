@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from kvlib.device import default_dtype
 from kvlib.kernels import triton_available
+from kvlib.runner.device import default_dtype
 
 
 @pytest.mark.parametrize("device_type, capability, dtype", [

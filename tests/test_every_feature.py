@@ -12,14 +12,14 @@ import random
 
 import pytest
 import torch
+from checkpoints import hf_greedy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpoints import hf_greedy
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.block_table import blocks_for
-from kvlib.invariants import InvariantError, check_invariants
-from kvlib.preemption import LatestArrivalPolicy, PreemptionCostModel
+from kvlib.core.block_table import blocks_for
+from kvlib.core.invariants import InvariantError, check_invariants
+from kvlib.core.preemption import LatestArrivalPolicy, PreemptionCostModel
 
 EXAMPLES = int(os.environ.get("KVLIB_FUZZ_EXAMPLES", "30"))
 VOCAB = 96

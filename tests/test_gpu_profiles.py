@@ -2,7 +2,7 @@
 import pytest
 
 from kvlib.cli.bench.memory import LLAMA3_8B_CONFIG
-from kvlib.gpu_profiles import GPUProfile, ModelShape, load_profiles
+from kvlib.course.gpu_profiles import GPUProfile, ModelShape, load_profiles
 from kvlib.model.config import ModelConfig
 
 LLAMA3_8B = ModelShape.from_config(ModelConfig.from_dict(LLAMA3_8B_CONFIG))

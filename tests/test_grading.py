@@ -141,8 +141,8 @@ def test_kept_definitions_show_their_source_as_triton_jit_needs_to_compile_them(
 
 # ---- the copy of kvlib without the answer -------------------------------------------------------
 def test_the_stubbed_copy_keeps_the_engine_and_drops_the_answer():
-    tree = stubbed_tree(("kvlib.block_allocator:BlockAllocator",))
-    source = (tree / "kvlib" / "block_allocator.py").read_text()
+    tree = stubbed_tree(("kvlib.core.block_allocator:BlockAllocator",))
+    source = (tree / "kvlib" / "core" / "block_allocator.py").read_text()
     assert "self._free" not in source and "NotImplementedError" in source and "class AllocStatus" in source
     assert (tree / "kvlib" / "engine.py").read_text() == (ROOT / "kvlib" / "engine.py").read_text()
     assert not (tree / "solutions").exists()
@@ -151,8 +151,8 @@ def test_the_stubbed_copy_keeps_the_engine_and_drops_the_answer():
 
 
 def test_feedback_hides_the_same_answer_in_this_process():
-    from kvlib.block_allocator import BlockAllocator
-    with hiding(("kvlib.block_allocator:BlockAllocator",)):
+    from kvlib.core.block_allocator import BlockAllocator
+    with hiding(("kvlib.core.block_allocator:BlockAllocator",)):
         with pytest.raises(NotImplementedError, match="kvlib.s own BlockAllocator.__init__ is not there"):
             BlockAllocator(4)
     assert BlockAllocator(4).allocate() in range(4)
@@ -182,19 +182,19 @@ ALLOCATOR_CHEATS = {
     "string_route": "import importlib\nMyBlockAllocator = getattr(importlib.import_module('kvlib.' + 'block_allocator'), "
                     "'Block' + 'Allocator')\n",
     "object_walk": "import gc\nMyBlockAllocator = next(o for o in gc.get_objects() if isinstance(o, type) and "
-                   "o.__name__ == 'BlockAllocator' and o.__module__ == 'kvlib.block_allocator')\n",
-    "container": "import kvlib.block_allocator as k\nKEPT = {'methods': dict(vars(k.BlockAllocator))}\n"
+                   "o.__name__ == 'BlockAllocator' and o.__module__ == 'kvlib.core.block_allocator')\n",
+    "container": "import kvlib.core.block_allocator as k\nKEPT = {'methods': dict(vars(k.BlockAllocator))}\n"
                  "MyBlockAllocator = type('MyBlockAllocator', (), KEPT['methods'])\n",
-    "pickled": "import pickle\nimport kvlib.block_allocator\nMyBlockAllocator = pickle.loads(pickle.dumps("
-               "kvlib.block_allocator.BlockAllocator))\n",
-    "source_read": "import inspect, kvlib.block_allocator as k\n\ndef _copy():\n    ns = {}\n"
+    "pickled": "import pickle\nimport kvlib.core.block_allocator\nMyBlockAllocator = pickle.loads(pickle.dumps("
+               "kvlib.core.block_allocator.BlockAllocator))\n",
+    "source_read": "import inspect, kvlib.core.block_allocator as k\n\ndef _copy():\n    ns = {}\n"
                    "    exec(inspect.getsource(k), ns)\n    return ns['BlockAllocator']\n\nMyBlockAllocator = _copy()\n",
     "solution_read": "import json, pathlib\n\ndef _solution():\n    nb = json.loads(pathlib.Path(@SOLUTION@).read_text())\n"
                      "    ns = {}\n    exec(''.join(nb['cells'][3]['source']), ns)\n    return ns['MyBlockAllocator']\n\n"
                      "MyBlockAllocator = _solution()\n",
-    "subclass": "from kvlib.block_allocator import BlockAllocator\nclass MyBlockAllocator(BlockAllocator):\n    pass\n",
+    "subclass": "from kvlib.core.block_allocator import BlockAllocator\nclass MyBlockAllocator(BlockAllocator):\n    pass\n",
 }
-TABLE = "from kvlib.block_table import BlockTable\nMyBlockTable = BlockTable\n"
+TABLE = "from kvlib.core.block_table import BlockTable\nMyBlockTable = BlockTable\n"
 HARNESS_CHEATS = {
     # code that runs at load time inside the sandbox and rewrites the checks or the replies
     "patches_the_harness": "import kvlib.course.grading.checks as c\n_real = c.observe\n"
@@ -309,7 +309,7 @@ def test_a_hang_costs_its_own_checks_within_its_budget(graded_class):
 STYLES = {
     "dataclasses": [
         "from __future__ import annotations\n\nimport enum\nfrom dataclasses import dataclass, field\n"
-        "from kvlib.block_allocator import AllocStatus, BlockAllocatorError\n\n\nclass Owner(enum.IntEnum):\n"
+        "from kvlib.core.block_allocator import AllocStatus, BlockAllocatorError\n\n\nclass Owner(enum.IntEnum):\n"
         "    NOBODY = 0\n\n\n@dataclass\nclass Block:\n    id: int\n    owners: int = Owner.NOBODY\n\n\n"
         "@dataclass\nclass MyBlockAllocator:\n    num_blocks: int\n    blocks: list[Block] = field(init=False)\n"
         "    stack: list[int] = field(init=False)\n\n    def __post_init__(self) -> None:\n"
@@ -340,7 +340,7 @@ STYLES = {
         "        tail, self.blocks = self.blocks[keep:], self.blocks[:keep]\n        return tail\n",
     ],
     "class_hierarchy": [
-        "import heapq\nfrom typing import Protocol\nfrom kvlib.block_allocator import AllocStatus, BlockAllocatorError\n\n"
+        "import heapq\nfrom typing import Protocol\nfrom kvlib.core.block_allocator import AllocStatus, BlockAllocatorError\n\n"
         "SPARE = 0\n\n\nclass Counts(Protocol):\n    def count(self, block_id: int) -> int: ...\n\n\nclass FreeHeap:\n"
         "    \"\"\"Free ids, smallest first.\"\"\"\n\n    def __init__(self, n):\n        self.heap = list(range(n))\n\n"
         "    def take(self):\n        if not self.heap:\n            raise BlockAllocatorError('no free block')\n"

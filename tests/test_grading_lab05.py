@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from kvlib.core.sharing import BlockSharing
 from kvlib.course.grading import grade_notebook, lab05
 from kvlib.course.grading.results import NOT_IMPLEMENTED
-from kvlib.sharing import BlockSharing
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab05_sharing.ipynb"

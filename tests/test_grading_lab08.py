@@ -16,15 +16,15 @@ import nbformat
 import numpy as np
 import pytest
 
-from kvlib import cost_probe
-from kvlib.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.core.preemption import LatestArrivalPolicy
 from kvlib.course.grading import lab08
 from kvlib.course.grading.checks import observe
 from kvlib.course.grading.hidden import hiding
 from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED, PASS
 from kvlib.course.grading.runner import InProcess, grade_cells
 from kvlib.course.labs import remove_hidden_tests
-from kvlib.preemption import LatestArrivalPolicy
+from kvlib.runner import cost_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "lab08_cost_model.ipynb"
@@ -458,10 +458,10 @@ def test_the_untouched_lab_gets_zero_and_says_not_implemented():
 
 
 KVLIBS_TIMING = ("def best_in_turns(fns, rounds, clock):\n",  # (in this process a module's name is looked up
-                 "from kvlib import cost_probe\n\n\ndef best_in_turns(fns, rounds, clock):\n"  # when called)
+                 "from kvlib.runner import cost_probe\n\n\ndef best_in_turns(fns, rounds, clock):\n"  # when called)
                  "    return cost_probe.best_in_turns(fns, None, rounds)\n\n\ndef unused(fns, rounds, clock):\n")
 KVLIBS_FIT = ("    n, seconds = np.asarray(block_counts, dtype=float), np.asarray(round_trip_seconds, dtype=float)\n",
-              "    from kvlib.cost_probe import fit_copy as kvlibs\n"
+              "    from kvlib.runner.cost_probe import fit_copy as kvlibs\n"
               "    return kvlibs(round_trip_seconds[0] / 2, round_trip_seconds[-1] / 2, block_counts[-1], block_bytes)\n")
 KVLIBS_CHOICE = ('        return "swap" if swap < recompute else "recompute"\n',
                  "        return cost.choose(context.num_host_blocks, context.block_bytes, context.num_tokens,\n"

@@ -14,18 +14,18 @@ import types
 from pathlib import Path
 
 import pytest
+from test_labs_graded import cells_of
 
-from kvlib.block_manager import BlockManager
 from kvlib.cli.bench.driver import ModelFreeEngine
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.prefix_cache import HostPrefixTier
+from kvlib.core.scheduler import Scheduler
 from kvlib.course.grading import grade_notebook, lab04, lab06, lab10
 from kvlib.course.grading.hidden import module_file, stubbed_tree
 from kvlib.course.grading.results import NOT_IMPLEMENTED, PASS
 from kvlib.course.grading.runner import InProcess, grade_cells
-from kvlib.prefix_cache import HostPrefixTier
-from kvlib.scheduler import Scheduler
-from test_labs_graded import cells_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = {lab: next((ROOT / "solutions").glob(f"{lab}_*.ipynb")) for lab in ("lab04", "lab06", "lab10")}
@@ -69,10 +69,10 @@ def test_a_block_manager_delegating_drop_scores_zero_for_drop_and_the_engine():
 
 
 @pytest.mark.parametrize("lab, cell", [
-    ("lab04", "from kvlib.scheduler import Scheduler as MyScheduler"),
-    ("lab06", "from kvlib.block_manager import BlockManager as MyBlockManager"),
-    ("lab10", "from kvlib.prefix_cache import HostPrefixTier\n\n\nclass MyHostTier(HostPrefixTier):\n    pass"),
-    ("lab10", "from kvlib import prefix_cache\nMyHostTier = prefix_cache.HostPrefixTier"),
+    ("lab04", "from kvlib.core.scheduler import Scheduler as MyScheduler"),
+    ("lab06", "from kvlib.core.block_manager import BlockManager as MyBlockManager"),
+    ("lab10", "from kvlib.core.prefix_cache import HostPrefixTier\n\n\nclass MyHostTier(HostPrefixTier):\n    pass"),
+    ("lab10", "from kvlib.core import prefix_cache\nMyHostTier = prefix_cache.HostPrefixTier"),
 ])
 def test_kvlibs_own_class_handed_in_scores_zero(lab, cell):
     result = _grade(lab, extra=[cell], base=ROOT / "labs" / SOLUTIONS[lab].name)
@@ -91,12 +91,12 @@ def _stubbed(tree: Path, module: str, cls: str) -> dict:
 
 
 @pytest.mark.parametrize("task, module, cls, stubs", [
-    (lab04.running, "kvlib.scheduler", "Scheduler", {"schedule_running"}),
-    (lab04.waiting, "kvlib.scheduler", "Scheduler", {"schedule_waiting"}),
-    (lab04.engine, "kvlib.scheduler", "Scheduler", {"schedule_running", "schedule_waiting"}),
-    (lab06.swap, "kvlib.block_manager", "BlockManager", {"swap_out", "swap_in", "host_blocks_needed"}),
-    (lab06.drop, "kvlib.block_manager", "BlockManager", {"drop"}),
-    (lab10.tier, "kvlib.prefix_cache", "HostPrefixTier", {"__init__", "put", "lookup", "touch", "evict_one",
+    (lab04.running, "kvlib.core.scheduler", "Scheduler", {"schedule_running"}),
+    (lab04.waiting, "kvlib.core.scheduler", "Scheduler", {"schedule_waiting"}),
+    (lab04.engine, "kvlib.core.scheduler", "Scheduler", {"schedule_running", "schedule_waiting"}),
+    (lab06.swap, "kvlib.core.block_manager", "BlockManager", {"swap_out", "swap_in", "host_blocks_needed"}),
+    (lab06.drop, "kvlib.core.block_manager", "BlockManager", {"drop"}),
+    (lab10.tier, "kvlib.core.prefix_cache", "HostPrefixTier", {"__init__", "put", "lookup", "touch", "evict_one",
                                                           "__contains__", "__iter__", "num_cached"}),
 ], ids=lambda v: getattr(v, "name", None))
 def test_the_sandbox_copy_stubs_exactly_the_graded_methods(task, module, cls, stubs):

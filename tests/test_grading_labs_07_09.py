@@ -14,12 +14,12 @@ from pathlib import Path
 
 import nbformat
 
+from kvlib.core.oversubscription import OversubscriptionDetector
+from kvlib.core.preemption import LatestArrivalPolicy, SparingPolicy
 from kvlib.course.grading import grade_notebook, lab07, lab09
 from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED
 from kvlib.course.grading.workloads import serve_watched
 from kvlib.course.labs import remove_hidden_tests
-from kvlib.oversubscription import OversubscriptionDetector
-from kvlib.preemption import LatestArrivalPolicy, SparingPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,16 +8,16 @@ import torch
 from kvlib import LLM, EngineConfig, interfaces
 from kvlib.attention.capabilities import FLOAT_DTYPES, BackendCapabilities
 from kvlib.attention.torch_backend import TorchAttentionBackend
-from kvlib.block_allocator import BlockAllocator
-from kvlib.block_manager import BlockManager
-from kvlib.decode_graphs import graph_safe
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.oversubscription import OversubscriptionDetector
+from kvlib.core.preemption import LatestArrivalPolicy, SparingPolicy
+from kvlib.core.prefix_cache import HostPrefixTier
+from kvlib.core.scheduler import Scheduler
+from kvlib.core.sharing import BlockSharing
 from kvlib.kernels import triton_available
-from kvlib.oversubscription import OversubscriptionDetector
-from kvlib.preemption import LatestArrivalPolicy, SparingPolicy
-from kvlib.prefix_cache import HostPrefixTier
-from kvlib.scheduler import Scheduler
-from kvlib.sharing import BlockSharing
-from kvlib.warm_up import warm_up
+from kvlib.runner.decode_graphs import graph_safe
+from kvlib.runner.warm_up import warm_up
 
 
 @pytest.fixture(scope="module")

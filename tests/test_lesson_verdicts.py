@@ -20,11 +20,11 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from test_exercises import exercises, fill_in, missed
 
-from kvlib.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
 from kvlib.course.grading.execute import execute
 from kvlib.course.timing import decide, median_interval
-from test_exercises import exercises, fill_in, missed
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 STATE = "LESSON-STATE "

@@ -2,10 +2,10 @@
 import random
 
 import pytest
-
 from checkpoints import ARCHITECTURES, hf_greedy
+
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.invariants import check_invariants
+from kvlib.core.invariants import check_invariants
 
 PROMPT_LENGTHS = (1, 5, 17, 40)
 MAX_TOKENS = 20

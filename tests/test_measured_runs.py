@@ -4,7 +4,8 @@ import shutil
 
 import torch
 
-from kvlib.measured_runs import RUNS_PATH, load_runs, main, measure_run, save_run
+from kvlib.cli.commands import main
+from kvlib.course.measured_runs import RUNS_PATH, load_runs, measure_run, save_run
 
 
 def test_the_committed_runs_load_and_are_dated_and_named():
@@ -27,10 +28,10 @@ def test_a_recorded_run_round_trips(tmp_path):
 
 
 def test_the_command_appends_to_the_file_it_is_given(tmp_path, monkeypatch, capsys):
-    import kvlib.measured_runs as measured_runs
+    import kvlib.course.measured_runs as measured_runs
     path = tmp_path / "runs.json"
     shutil.copy(RUNS_PATH, path)
     monkeypatch.setattr(measured_runs, "VICTIM_LENGTHS", [16])
     monkeypatch.setattr(measured_runs, "RETURNING_CONTEXTS", [16])
-    main(["--name", "command test", "--model", "default", "--file", str(path)])
+    main(["record-run", "--name", "command test", "--model", "default", "--file", str(path)])
     assert load_runs(path)[-1].name == "command test" and "recorded 'command test'" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """Sizing the device pool: the dummy largest step and the budget arithmetic (the measurement needs a GPU)."""
-from kvlib.memory_profile import blocks_needed, dummy_chunks, kv_budget_bytes
+from kvlib.runner.memory_profile import blocks_needed, dummy_chunks, kv_budget_bytes
 
 
 def test_dummy_step_has_every_token_and_every_sequence_sampled():

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib.core.preemption import LatestArrivalPolicy, PreemptionCostModel
 from kvlib.course.grading.serving import serve_checked
-from kvlib.preemption import LatestArrivalPolicy, PreemptionCostModel
 
 MODES = [("recompute", False), ("swap", False), ("recompute", True), ("swap", True)]
 

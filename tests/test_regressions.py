@@ -11,14 +11,14 @@ import torch
 
 from kvlib import LLM, EngineConfig, SamplingParams, interfaces
 from kvlib.attention.torch_backend import TorchAttentionBackend
-from kvlib.block_allocator import BlockAllocator
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.invariants import check_invariants
+from kvlib.core.preemption import LatestArrivalPolicy
+from kvlib.core.prefix_cache import HostPrefixTier
+from kvlib.core.sequence import SequenceStatus, sample_stream_seed
+from kvlib.core.sharing import BlockSharing
 from kvlib.course.grading.serving import serve_checked
 from kvlib.interfaces import check_implements
-from kvlib.invariants import check_invariants
-from kvlib.prefix_cache import HostPrefixTier
-from kvlib.preemption import LatestArrivalPolicy
-from kvlib.sequence import SequenceStatus, sample_stream_seed
-from kvlib.sharing import BlockSharing
 
 
 @pytest.fixture(scope="module")

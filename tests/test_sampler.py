@@ -2,8 +2,8 @@
 import torch
 
 from kvlib.config import SamplingParams
-from kvlib.sampler import Sampler, draw, top_p_filter
-from kvlib.sequence import Sequence
+from kvlib.core.sequence import Sequence
+from kvlib.runner.sampler import Sampler, draw, top_p_filter
 
 
 def seq(seed=0, **params) -> Sequence:

@@ -4,8 +4,8 @@ import pytest
 from kvlib.cli.bench.driver import ModelFreeEngine
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig
-from kvlib.invariants import check_invariants
-from kvlib.sequence import SequenceStatus
+from kvlib.core.invariants import check_invariants
+from kvlib.core.sequence import SequenceStatus
 
 
 def engine(**config) -> ModelFreeEngine:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.invariants import check_invariants
+from kvlib.core.invariants import check_invariants
 
 A_PROMPT, C_PROMPT = 299, 400
 

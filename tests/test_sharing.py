@@ -73,7 +73,7 @@ def test_prefix_cache_hits_and_identical_outputs(folder):
 
 
 def test_prefix_cache_verifies_tokens_not_only_the_hash(folder, monkeypatch):
-    for module in ("kvlib.prefix_cache", "kvlib.block_manager"):  # every block's name collides
+    for module in ("kvlib.core.prefix_cache", "kvlib.core.block_manager"):  # every block's name collides
         monkeypatch.setattr(f"{module}.block_hash", lambda previous, tokens: 0)
     llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=64, enable_prefix_caching=True), verbose=False)
     llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=2))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvlib.step_inputs import PADDING, Chunk, InputBuffers, table_width
+from kvlib.runner.step_inputs import PADDING, Chunk, InputBuffers, table_width
 
 BLOCK_SIZE = 4
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.decode_graphs import EagerCapture
 from kvlib.kernels import triton_available
-from kvlib.warm_up import warm_up
+from kvlib.runner.decode_graphs import EagerCapture
+from kvlib.runner.warm_up import warm_up
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
 

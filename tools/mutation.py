@@ -7,7 +7,7 @@ mutant that survived (file, line, what changed). ``pip install -e ".[mutation]"`
 the tool needs Python 3.11 or newer (it reads pyproject.toml with ``tomllib``).
 
     python tools/mutation.py --sample 150 --seed 1
-    python tools/mutation.py kvlib/sharing.py --sample 20 --seed 2 --tests tests/test_sharing.py
+    python tools/mutation.py kvlib/core/sharing.py --sample 20 --seed 2 --tests tests/test_sharing.py
     python tools/mutation.py --at HEAD --sample 150 --seed 1   # the committed package, today's tests
 
 The modules and tests default to ``[tool.mutmut]`` in pyproject.toml (``only_mutate`` and

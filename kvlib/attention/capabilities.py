@@ -14,10 +14,10 @@ class BackendCapabilities:
 
     ``graph_safe``: a decode step's ``forward`` only launches device work and reads nothing back to
     the host, so it may be recorded once in a CUDA graph and replayed, every host-side value frozen
-    as it was when recorded (``kvlib.decode_graphs``). ``dtypes``: the model dtypes it computes
+    as it was when recorded (``kvlib.runner.decode_graphs``). ``dtypes``: the model dtypes it computes
     correctly; the engine refuses any other when it is built. ``warm_up_decode_bounds``: the
     ``max_context_len`` values at which a decode step launches a kernel variant of its own, compiled
-    at its first launch; warm-up runs one decode step at each before serving (``kvlib.warm_up``).
+    at its first launch; warm-up runs one decode step at each before serving (``kvlib.runner.warm_up``).
     Empty: one mixed step launches everything the backend will ever launch.
     """
 

@@ -1,4 +1,4 @@
-"""The ``kvlib`` command: demo, bench, grade, make-labs, make-kit."""
+"""The ``kvlib`` command: demo, bench, grade, make-labs, make-kit, record-run."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import sys
 from dataclasses import fields
+from pathlib import Path
 
 BENCHES = ("memory", "kernels", "swap", "preemption", "sharing", "scheduler", "engine")
 
@@ -27,8 +28,6 @@ def _bench(args) -> int:
 
 
 def _grade(args) -> int:
-    from pathlib import Path
-
     from kvlib.course.grading.report import write_gradebook, write_gradescope
     from kvlib.course.grading.runner import grade_folder, grade_notebook
     from kvlib.course.grading.sandbox import Limits
@@ -80,8 +79,6 @@ class DescribedDefaults(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDesc
 
 
 def _make_kit(args) -> int:
-    from pathlib import Path
-
     from kvlib.cli.kit import NotAClone, handout, make_kit
     try:
         wheel, notebooks = make_kit(Path(args.out))
@@ -89,6 +86,14 @@ def _make_kit(args) -> int:
         print(f"kvlib make-kit: {exc}", file=sys.stderr)
         return 2
     print(handout(wheel, notebooks))
+    return 0
+
+
+def _record_run(args) -> int:
+    from kvlib.course.measured_runs import measure_run, save_run
+    run = measure_run(args.name, args.model)
+    save_run(run, args.file)
+    print(f"recorded {run.name!r} ({run.device}, {run.model}, {run.dtype}) in {args.file}")
     return 0
 
 
@@ -132,6 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     kit = commands.add_parser("make-kit", help="build the workshop kit: kvlib's wheel beside the lessons and labs")
     kit.add_argument("out", help="the folder to write the kit into (created if missing)")
     kit.set_defaults(run=_make_kit)
+
+    from kvlib.course.measured_runs import RUNS_PATH
+    record = commands.add_parser("record-run", help="measure this machine's swap and recompute costs for lessons 07 and 09",
+                                 formatter_class=DescribedDefaults)
+    record.add_argument("--name", required=True, help="what the machine is, e.g. 'H200 SXM, <provider>'")
+    record.add_argument("--model", default="smollm2-135m", help="the model to measure with (a catalog name or a folder)")
+    record.add_argument("--file", type=Path, default=RUNS_PATH, help="the file of recorded runs to append to")
+    record.set_defaults(run=_record_run)
     return parser
 
 

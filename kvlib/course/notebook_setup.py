@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import kvlib
-from kvlib.device import choose_attention_backend, resolve_device
+from kvlib.runner.device import choose_attention_backend, resolve_device
 
 WHEEL_PATTERN = "kvlib-*.whl"  # the workshop kit's wheel (``kvlib make-kit``), uploaded beside the notebook
 

@@ -93,7 +93,7 @@ class PoolRecorder:
 
     def _prefix_names(self, tokens: list[int]) -> set[int]:
         """The prefix cache's names for the full blocks of ``tokens``: how the view recognises them."""
-        from kvlib.prefix_cache import block_hash
+        from kvlib.core.prefix_cache import block_hash
         bm = self.engine.block_manager
         if bm.cache is None:
             raise ValueError("highlight_prefix follows a prefix by its prefix-cache names: build the engine with "

@@ -5,7 +5,7 @@ model-free scheduler tests drive the same ``Scheduler.schedule`` and ``Scheduler
 the engine does. Every scheduled token counts as computed and every draw samples a placeholder
 token, so requests run exactly as long as they ask (as with ``ignore_eos``). Like ``LLM(...)``, it
 takes pieces as keyword arguments (``scheduler=``, ``block_manager=``, ``preemption_policy=`` ...)
-to run in place of kvlib's, builds its core with the same :func:`~kvlib.pieces.build_core` and
+to run in place of kvlib's, builds its core with the same :func:`~kvlib.core.pieces.build_core` and
 records its metrics with the same calls.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Optional
 
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig
+from kvlib.core.pieces import Pieces, build_core
+from kvlib.core.plan import SchedulerOutput, StepResult
+from kvlib.core.sequence import Sequence
 from kvlib.metrics import EngineMetrics
-from kvlib.pieces import Pieces, build_core
-from kvlib.plan import SchedulerOutput, StepResult
-from kvlib.sequence import Sequence
 
 PLACEHOLDER_TOKEN = 0
 BLOCK_BYTES = 1  # no pool holds bytes: a block moved counts as one

@@ -103,7 +103,7 @@ def decode_case(batch: int, context: int, device: torch.device | str) -> tuple[C
 
 def below_kernel_capability(device: torch.device | str = "cuda") -> str | None:
     """Why this GPU is refused (compute capability below 8.0), or None when the kernels target it."""
-    from kvlib.device import MIN_TRITON_CAPABILITY
+    from kvlib.runner.device import MIN_TRITON_CAPABILITY
     capability = torch.cuda.get_device_capability(device)
     if capability >= MIN_TRITON_CAPABILITY:
         return None
@@ -189,7 +189,7 @@ class ReferenceBackend(TorchAttentionBackend):
 def torch_decode_case(shape: dict, batch: int, contexts: tuple[int, int], block_size: int = 16, seed: int = 0):
     """A random model, a pool of random K/V and one decode step's inputs: ``(model, pool, inputs)``."""
     from kvlib.cli.bench.roofline import random_decode_model
-    from kvlib.kv_cache import KVCachePool, KVCacheSpec
+    from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec
 
     config, model, context_lens, needed, gen = random_decode_model(shape, batch, contexts, block_size, seed)
     pool = KVCachePool(KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size,

@@ -39,11 +39,11 @@ import torch
 
 from kvlib.cli.bench.report import format_table
 from kvlib.cli.bench.workloads import sharegpt_like_lengths
-from kvlib.block_allocator import AllocStatus, BlockAllocator
-from kvlib.block_table import BlockTable, blocks_for
-from kvlib.kv_cache import KVCacheSpec
+from kvlib.core.block_allocator import AllocStatus, BlockAllocator
+from kvlib.core.block_table import BlockTable, blocks_for
 from kvlib.model.config import ModelConfig
 from kvlib.model.default import DEFAULT_CONFIG
+from kvlib.runner.kv_cache import KVCacheSpec
 
 WATERMARK = 0.01  # EngineConfig's default
 

@@ -11,7 +11,7 @@
   measured cost model picks per victim), each whole-request and partial.
 - Latencies are per request from arrival: TTFT p50 and p99, and the worst stutter, the longest
   gap between two consecutive tokens of any request. ``warned``: the engine's oversubscription
-  detector (``kvlib.oversubscription``) fired during the run. ``swap ms`` and ``recompute ms`` are
+  detector (``kvlib.core.oversubscription``) fired during the run. ``swap ms`` and ``recompute ms`` are
   the engine's own accounting of time spent copying blocks and re-prefilling dropped tokens.
 """
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 
 from kvlib.cli.bench.report import format_table
 from kvlib.cli.bench.workloads import sharegpt_like_lengths
-from kvlib.block_table import blocks_for
 from kvlib.config import EngineConfig, SamplingParams
+from kvlib.core.block_table import blocks_for
 from kvlib.llm import LLM
 
 MODES = [("recompute", False), ("swap", False), ("auto", False), ("recompute", True), ("swap", True), ("auto", True)]

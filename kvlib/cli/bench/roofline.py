@@ -66,9 +66,9 @@ def random_decode_model(shape: dict, batch: int, contexts: tuple[int, int], bloc
 def decode_plan(shape: dict, batch: int, contexts: tuple[int, int], block_size: int = 16, seed: int = 0):
     """A runner over a random model of ``shape`` and a decode plan of ``batch`` sequences: ``(runner, plan)``."""
     from kvlib.attention.torch_backend import TorchAttentionBackend
-    from kvlib.model_runner import ModelRunner
-    from kvlib.plan import SchedulerOutput
-    from kvlib.sequence import Sequence
+    from kvlib.core.plan import SchedulerOutput
+    from kvlib.core.sequence import Sequence
+    from kvlib.runner.model_runner import ModelRunner
 
     config, model, context_lens, needed, gen = random_decode_model(shape, batch, contexts, block_size, seed)
     runner = ModelRunner(model, TorchAttentionBackend(), block_size=block_size, num_gpu_blocks=sum(needed),

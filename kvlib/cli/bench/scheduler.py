@@ -1,7 +1,7 @@
 """``kvlib bench scheduler``: time spent scheduling one step, without the model.
 
 The scheduler runs on the host between GPU steps, so its time is pure overhead. The benchmark
-drives the real :class:`~kvlib.scheduler.Scheduler` through decode steps of many running
+drives the real :class:`~kvlib.core.scheduler.Scheduler` through decode steps of many running
 sequences with the model-free driver (``kvlib.cli.bench.driver``), which records every step
 through the same ``postprocess`` the engine uses, and reports milliseconds per step: the median
 over repeated runs of each run's mean. The model, sampling and tensor building are left out on

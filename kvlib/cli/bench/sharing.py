@@ -39,11 +39,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvlib.block_table import blocks_for
 from kvlib.cli.bench.driver import ModelFreeEngine
 from kvlib.cli.bench.report import format_table
 from kvlib.cli.bench.workloads import Request, sharegpt_like_lengths
 from kvlib.config import EngineConfig
+from kvlib.core.block_table import blocks_for
 
 PAPER = "Kwon et al., SOSP 2023 (PagedAttention), sections 6.3-6.4"
 PAPER_COLUMN = "paper's reported figure (other workloads)"

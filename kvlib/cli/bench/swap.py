@@ -1,7 +1,7 @@
 """``kvlib bench swap``: moving N scattered KV blocks against one contiguous copy of the same bytes.
 
 Swap preemption moves a victim's blocks, which sit anywhere in the pool, to the host pool and
-back. The engine moves them with ``kvlib.kv_cache.copy_blocks_between``, which this benchmark calls
+back. The engine moves them with ``kvlib.runner.kv_cache.copy_blocks_between``, which this benchmark calls
 too; the yardstick is one contiguous ``copy_`` of a run of N blocks: the same bytes, with nothing
 to find.
 
@@ -28,11 +28,11 @@ import torch
 
 from kvlib.cli.bench.memory import LLAMA3_8B_CONFIG
 from kvlib.cli.bench.report import format_table
-from kvlib.cost_probe import time_once
-from kvlib.device import resolve_device, resolve_dtype
-from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
 from kvlib.model.config import ModelConfig
 from kvlib.model.default import DEFAULT_CONFIG
+from kvlib.runner.cost_probe import time_once
+from kvlib.runner.device import resolve_device, resolve_dtype
+from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MODELS = {"default": DEFAULT_CONFIG, "llama-3-8b": LLAMA3_8B_CONFIG}

@@ -1,7 +1,7 @@
 """kvlib without its own answer to a task: the copy of the package a grading sandbox runs on.
 
-A task names what it hides (``Task.hidden``: ``"kvlib.block_allocator:BlockAllocator"``, a method
-``"kvlib.scheduler:Scheduler.schedule_running"``, or a whole module ``"kvlib.kernels.paged_decode:*"``).
+A task names what it hides (``Task.hidden``: ``"kvlib.core.block_allocator:BlockAllocator"``, a method
+``"kvlib.core.scheduler:Scheduler.schedule_running"``, or a whole module ``"kvlib.kernels.paged_decode:*"``).
 :func:`stubbed_tree` writes a copy of kvlib in which each of those is a stub that raises
 NotImplementedError, the rest of the engine intact; the sandbox imports kvlib from that copy only,
 so no import, string, object walk or file read in the learner's process can reach the answer.

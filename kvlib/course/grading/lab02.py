@@ -16,13 +16,13 @@ from kvlib.course.grading.checks import Task, raised
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
 
-ALLOCATOR = ("kvlib.block_allocator:BlockAllocator",)
-TABLE = tuple(f"kvlib.block_table:BlockTable.{m}" for m in ("capacity", "num_missing_blocks", "slot", "slots",
+ALLOCATOR = ("kvlib.core.block_allocator:BlockAllocator",)
+TABLE = tuple(f"kvlib.core.block_table:BlockTable.{m}" for m in ("capacity", "num_missing_blocks", "slot", "slots",
                                                               "pop_tail"))
 
 
 allocator = Task("allocator", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]))
-block_table = Task("block_table", ("MyBlockTable",), TABLE, kvlibs_own("kvlib.block_table:BlockTable"))
+block_table = Task("block_table", ("MyBlockTable",), TABLE, kvlibs_own("kvlib.core.block_table:BlockTable"))
 engine = Task("engine", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]))
 TASKS = [allocator, block_table, engine]
 check_allocator, check_block_table, check_engine = allocator.grade, block_table.grade, engine.grade

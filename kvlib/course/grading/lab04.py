@@ -13,15 +13,15 @@ from typing import Callable
 from kvlib.cli.bench.driver import ModelFreeEngine
 from kvlib.cli.bench.workloads import Request
 from kvlib.config import EngineConfig, SamplingParams
+from kvlib.core.invariants import InvariantError, check_invariants
+from kvlib.core.sequence import SequenceStatus
 from kvlib.course.grading.checks import FEEDBACK_SEED, CheckFailed, Task, expect
 from kvlib.course.grading.hidden import hiding, kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
-from kvlib.invariants import InvariantError, check_invariants
-from kvlib.sequence import SequenceStatus
 
 GRADED = ("schedule_running", "schedule_waiting")
-HIDDEN = {name: (f"kvlib.scheduler:Scheduler.{name}",) for name in GRADED}
-_scheduler = kvlibs_own("kvlib.scheduler:Scheduler")
+HIDDEN = {name: (f"kvlib.core.scheduler:Scheduler.{name}",) for name in GRADED}
+_scheduler = kvlibs_own("kvlib.core.scheduler:Scheduler")
 
 running = Task("schedule_running", ("MyScheduler",), HIDDEN["schedule_running"], _scheduler)
 waiting = Task("schedule_waiting", ("MyScheduler",), HIDDEN["schedule_waiting"], _scheduler)

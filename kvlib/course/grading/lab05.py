@@ -2,8 +2,8 @@
 
 The learner writes a class with the two methods of the ``BlockSharing`` protocol
 (``kvlib/interfaces.py``): ``fork(allocator, blocks)`` and ``make_writable(allocator, blocks, index,
-take_block)``. While grading, kvlib's own (:class:`kvlib.sharing.BlockSharing`) is a stub. The unit
-checks drive the learner's methods on kvlib's :class:`~kvlib.block_allocator.BlockAllocator` with
+take_block)``. While grading, kvlib's own (:class:`kvlib.core.sharing.BlockSharing`) is a stub. The unit
+checks drive the learner's methods on kvlib's :class:`~kvlib.core.block_allocator.BlockAllocator` with
 pool sizes, block ids, owner counts and indices drawn from the seed, one rule per check, and observe
 the tables, reference counts and free blocks; each observation is compared with kvlib's own sharing
 on the same inputs. The engine checks pass an instance as ``LLM(..., block_sharing=...)``, serve
@@ -16,13 +16,13 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from kvlib.block_allocator import BlockAllocator, BlockAllocatorError
+from kvlib.core.block_allocator import BlockAllocator, BlockAllocatorError
 from kvlib.course.grading.checks import Task, expect, raised
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.course.grading.workloads import Arrival, serve_timed
 
-HIDDEN = ("kvlib.sharing:BlockSharing",)
+HIDDEN = ("kvlib.core.sharing:BlockSharing",)
 _sharing = kvlibs_own(HIDDEN[0])
 
 fork = Task("fork", ("MyBlockSharing",), HIDDEN, _sharing)

@@ -11,15 +11,15 @@ from collections import Counter
 from functools import partial
 
 from kvlib.config import EngineConfig, SamplingParams
+from kvlib.core.pieces import Pieces, build_core
+from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
-from kvlib.pieces import Pieces, build_core
-from kvlib.sequence import Sequence
 
-HIDDEN = {name: f"kvlib.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
+HIDDEN = {name: f"kvlib.core.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
                                                                         "host_blocks_needed")}
-_block_manager = kvlibs_own("kvlib.block_manager:BlockManager")
+_block_manager = kvlibs_own("kvlib.core.block_manager:BlockManager")
 
 swap = Task("swap", ("MyBlockManager",), tuple(v for k, v in HIDDEN.items() if k != "drop"), _block_manager)
 drop = Task("drop", ("MyBlockManager",), (HIDDEN["drop"],), _block_manager)

@@ -13,14 +13,14 @@ from functools import cache
 from typing import Any, Optional
 
 from kvlib.config import SamplingParams
+from kvlib.core.preemption import LatestArrivalPolicy, VictimCandidate
+from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, expect, same
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens
 from kvlib.course.grading.workloads import Arrival, serve_timed
-from kvlib.preemption import LatestArrivalPolicy, VictimCandidate
-from kvlib.sequence import Sequence
 
-HIDDEN = ("kvlib.preemption:SparingPolicy",)
+HIDDEN = ("kvlib.core.preemption:SparingPolicy",)
 _reference = kvlibs_own(HIDDEN[0])
 
 select_victim = Task("select_victim", ("MyVictimPolicy",), HIDDEN, _reference)
@@ -225,7 +225,7 @@ def no_more_work(cls, rng: random.Random) -> dict:
 
 def compare(policy_cls, seed: int = 0) -> None:
     """Print what each engine workload cost with your policy, kvlib's and the engine's default."""
-    from kvlib.preemption import SparingPolicy
+    from kvlib.core.preemption import SparingPolicy
     for workload, cls in ((w, c) for w in WORKLOADS for c in (policy_cls, SparingPolicy, LatestArrivalPolicy)):
         try:
             print(f"{workload:<14}{cls.__name__:<21}", {k: v for k, v in _run(cls, workload, seed)[0].items()

@@ -11,16 +11,18 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from kvlib import LLM, EngineConfig, SamplingParams, cost_probe
-from kvlib.cost_model import PreemptionCostModel as Cost, attention_pairs
+from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib.core.cost_model import PreemptionCostModel as Cost
+from kvlib.core.cost_model import attention_pairs
+from kvlib.core.preemption import LatestArrivalPolicy, PreemptionContext, VictimCandidate
+from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, close, expect, same
 from kvlib.course.grading.serving import random_tokens, serve_checked
-from kvlib.preemption import LatestArrivalPolicy, PreemptionContext, VictimCandidate
-from kvlib.sequence import Sequence
+from kvlib.runner import cost_probe
 
-FITS = ("kvlib.cost_probe:fit_copy", "kvlib.cost_probe:ForwardTimings.fit", f"{__name__}:_reference_fit_forward")
-CHOICE = ("kvlib.cost_model:PreemptionCostModel.choose", "kvlib.cost_model:PreemptionCostModel.recompute_range",
-          "kvlib.preemption:LatestArrivalPolicy.choose_mode")
+FITS = ("kvlib.runner.cost_probe:fit_copy", "kvlib.runner.cost_probe:ForwardTimings.fit", f"{__name__}:_reference_fit_forward")
+CHOICE = ("kvlib.core.cost_model:PreemptionCostModel.choose", "kvlib.core.cost_model:PreemptionCostModel.recompute_range",
+          "kvlib.core.preemption:LatestArrivalPolicy.choose_mode")
 
 
 def _kvlibs_timing(fns, rounds, clock):
@@ -50,7 +52,7 @@ class _CostPolicy(LatestArrivalPolicy):  # kvlib's choice, asking no swap the ho
         return super().choose_mode(victim, ctx) if ctx.host_free_blocks >= ctx.num_host_blocks else "recompute"
 
 
-measure = Task("measure", ("best_in_turns",), ("kvlib.cost_probe:best_in_turns",), lambda: _kvlibs_timing)
+measure = Task("measure", ("best_in_turns",), ("kvlib.runner.cost_probe:best_in_turns",), lambda: _kvlibs_timing)
 fit_swap = Task("fit_swap", ("fit_copy",), FITS, lambda: _kvlibs_copy_fit)
 fit_recompute = Task("fit_recompute", ("fit_forward",), FITS, lambda: _reference_fit_forward)
 choose_mode = Task("choose_mode", ("MyCostPolicy",), CHOICE, lambda: _CostPolicy)

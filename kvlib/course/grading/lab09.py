@@ -54,7 +54,7 @@ def _reference_detector():
     return RecentRequests
 
 
-DETECTOR = ("kvlib.oversubscription:OversubscriptionDetector", "kvlib.course.grading.lab09:_reference_detector")
+DETECTOR = ("kvlib.core.oversubscription:OversubscriptionDetector", "kvlib.course.grading.lab09:_reference_detector")
 report = Task("report", ("preemption_report",), ("kvlib.course.grading.lab09:_reference_report",
                                                  "kvlib.metrics:EngineMetrics.summary"), _reference_report)
 detector = Task("detector", ("MyOversubscriptionDetector",), DETECTOR, _reference_detector)

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import random
 
-from kvlib.block_allocator import BlockAllocator
 from kvlib.config import SamplingParams
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.prefix_cache import CachedBlock
 from kvlib.course.grading.checks import CheckFailed, Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
-from kvlib.prefix_cache import CachedBlock
 
-HIDDEN = ("kvlib.prefix_cache:HostPrefixTier",)
+HIDDEN = ("kvlib.core.prefix_cache:HostPrefixTier",)
 _tier = kvlibs_own(HIDDEN[0])
 
 tier = Task("tier", ("MyHostTier",), HIDDEN, _tier)

@@ -20,7 +20,7 @@ def serve_checked(llm, prompts: list, params, max_steps: int) -> list:
     Fails the check, naming the step, as soon as a block invariant breaks, and if requests are
     still unfinished after ``max_steps`` steps (a learner's bug can stall the engine).
     """
-    from kvlib.invariants import InvariantError, check_invariants
+    from kvlib.core.invariants import InvariantError, check_invariants
 
     per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
     ids = [f"checked-{next(_ids)}" for _ in prompts]

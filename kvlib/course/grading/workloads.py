@@ -37,7 +37,7 @@ class Served:
 def serve_timed(llm, arrivals: list[Arrival], max_steps: int,
                 before_step: Optional[Callable[[int], None]] = None) -> Served:
     """Serve ``arrivals`` step by step on ``llm``; fail the check if bookkeeping breaks or requests stall."""
-    from kvlib.invariants import InvariantError, check_invariants
+    from kvlib.core.invariants import InvariantError, check_invariants
 
     engine = llm.engine
     pending = sorted(enumerate(arrivals), key=lambda item: item[1].step)

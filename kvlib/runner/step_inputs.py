@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvlib.attention.metadata import AttentionMetadata
-from kvlib.streams import HostStreams
+from kvlib.runner.streams import HostStreams
 
 TABLE_ALIGN = 16  # block table widths are multiples of this many entries
 

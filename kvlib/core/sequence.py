@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from kvlib.block_table import BlockTable
 from kvlib.config import SamplingParams
+from kvlib.core.block_table import BlockTable
 
 _seq_ids = itertools.count()
 

@@ -15,7 +15,7 @@ goes through a persistent staging buffer on the device:
 The staging buffer has two halves used in turns, so a move larger than a half gathers the next
 chunk while the previous one crosses the link; a half is reused only after the event of its last
 reader. Block ids reach the device through a persistent pinned buffer, one upload per call. Nothing
-here synchronizes the device: ``streams`` (``kvlib.streams``) orders everything with events.
+here synchronizes the device: ``streams`` (``kvlib.runner.streams``) orders everything with events.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The cost model a GPU's published figures imply for a given model, for machines a lesson cannot time.
 
-The figures and their sources are in ``kvlib/assets/gpu_profiles.json``; so are the shares of
+The figures and their sources are in ``kvlib/course/data/gpu_profiles.json``; so are the shares of
 each peak an engine is assumed to reach, with why. A profile prices a model from its shape alone:
 a pass reads every weight once at the memory bandwidth (the floor) and multiplies 2 FLOPs per
 weight per token, plus attention's 4 FLOPs per head dimension per (query, key) pair, at the
@@ -12,10 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlib.cost_model import PreemptionCostModel
+from kvlib.core.cost_model import PreemptionCostModel
 from kvlib.model.config import ModelConfig
 
-PROFILES_PATH = Path(__file__).resolve().parent / "assets" / "gpu_profiles.json"
+PROFILES_PATH = Path(__file__).resolve().parent / "data" / "gpu_profiles.json"
 
 
 @dataclass(frozen=True)

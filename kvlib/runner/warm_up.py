@@ -20,8 +20,8 @@ serves a varied workload after it and checks that no launch needed a variant it 
 """
 from __future__ import annotations
 
-from kvlib.kv_cache import copy_blocks_between
-from kvlib.step_inputs import Chunk
+from kvlib.runner.kv_cache import copy_blocks_between
+from kvlib.runner.step_inputs import Chunk
 
 
 def warm_up(runner) -> None:

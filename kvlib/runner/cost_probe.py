@@ -1,7 +1,7 @@
 """Measure, on this machine, the constants of the preemption cost model, and time real victims.
 
 ``auto`` preemption prices a swap as copies over the host link and a recompute as what the
-victim's tokens add to a forward pass (:class:`~kvlib.cost_model.PreemptionCostModel`). Every
+victim's tokens add to a forward pass (:class:`~kvlib.core.cost_model.PreemptionCostModel`). Every
 constant depends on the hardware and the model, so the engine measures them once at start-up,
 while the pools are still empty, rather than assume them. Timings run at the current torch thread
 count, which is what the engine will run at; each is the best of a few runs taken in turns with
@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from kvlib.attention.metadata import AttentionMetadata
-from kvlib.cost_model import PreemptionCostModel, attention_pairs
-from kvlib.kv_cache import KVCachePool, copy_blocks_between
+from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.runner.kv_cache import KVCachePool, copy_blocks_between
 
 PROBE_TOKENS = 64  # the first prefill chunk the forward probe times
 MAX_PROBE_TOKENS = 4096

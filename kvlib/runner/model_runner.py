@@ -16,16 +16,16 @@ import time
 
 import torch
 
-from kvlib.cost_model import PreemptionCostModel
-from kvlib.cost_probe import measure_cost_model
-from kvlib.decode_graphs import CudaGraphCapture, DecodeGraphs, batch_buckets, graph_safe
-from kvlib.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_blocks_reading_first
-from kvlib.memory_profile import device_blocks_that_fit
-from kvlib.plan import BlockMoves, ScheduledChunk, SchedulerOutput
-from kvlib.sampler import Sampler
-from kvlib.step_inputs import Chunk, InputBuffers, table_width
-from kvlib.streams import streams_for
-from kvlib.warm_up import warm_up
+from kvlib.core.cost_model import PreemptionCostModel
+from kvlib.core.plan import BlockMoves, ScheduledChunk, SchedulerOutput
+from kvlib.runner.cost_probe import measure_cost_model
+from kvlib.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, batch_buckets, graph_safe
+from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_blocks_reading_first
+from kvlib.runner.memory_profile import device_blocks_that_fit
+from kvlib.runner.sampler import Sampler
+from kvlib.runner.step_inputs import Chunk, InputBuffers, table_width
+from kvlib.runner.streams import streams_for
+from kvlib.runner.warm_up import warm_up
 
 CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_blocks is None
 

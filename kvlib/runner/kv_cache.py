@@ -11,7 +11,7 @@ swaps and the cost probe's timing both call, so the probe measures the path the 
 
 - host memory to host memory (the device pool on a CPU): each pair is one ``memmove`` of the
   block's bytes, read once and written once, with nothing staged in between;
-- a GPU pool and a pinned host pool: the pool's :class:`~kvlib.block_transfer.StagedTransfer`,
+- a GPU pool and a pinned host pool: the pool's :class:`~kvlib.runner.block_transfer.StagedTransfer`,
   a persistent staging buffer and a copy stream ordered by events.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlib.block_transfer import StagedTransfer
-from kvlib.streams import streams_for
+from kvlib.runner.block_transfer import StagedTransfer
+from kvlib.runner.streams import streams_for
 
 STAGING_BYTES = 256 * 2**20  # a GPU pool's staging buffer for block transfers (at most the pool itself)
 

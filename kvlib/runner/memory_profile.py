@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvlib.kv_cache import STAGING_BYTES, KVCachePool, KVCacheSpec
-from kvlib.step_inputs import Chunk, InputBuffers
+from kvlib.runner.kv_cache import STAGING_BYTES, KVCachePool, KVCacheSpec
+from kvlib.runner.step_inputs import Chunk, InputBuffers
 
 
 def dummy_chunks(num_tokens: int, num_seqs: int, block_size: int, max_len: int) -> list[Chunk]:

@@ -1,8 +1,8 @@
 """The scheduler: which sequences run this step, for how many tokens, and who is preempted.
 
 Policy only: queues, order, the token budget and the victim loop. Every block question goes
-to the :class:`~kvlib.block_manager.BlockManager`. Each step it fills the plan
-(:class:`~kvlib.plan.SchedulerOutput`), once:
+to the :class:`~kvlib.core.block_manager.BlockManager`. Each step it fills the plan
+(:class:`~kvlib.core.plan.SchedulerOutput`), once:
 
 1. gives every running sequence, oldest first, its next tokens within the budget, preempting
    the policy's victims while the block manager says it cannot grow;
@@ -20,12 +20,12 @@ import bisect
 import heapq
 from typing import Optional
 
-from kvlib.block_manager import BlockManager
-from kvlib.block_table import blocks_for
 from kvlib.config import PREEMPTION_MECHANISMS, EngineConfig
-from kvlib.plan import Preemption, SchedulerOutput, StepResult
-from kvlib.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
-from kvlib.sequence import Sequence, SequenceStatus
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.block_table import blocks_for
+from kvlib.core.plan import Preemption, SchedulerOutput, StepResult
+from kvlib.core.preemption import PreemptionContext, PreemptionCostModel, VictimCandidate
+from kvlib.core.sequence import Sequence, SequenceStatus
 
 __all__ = ["Scheduler", "SchedulerOutput", "StepResult", "by_arrival"]
 

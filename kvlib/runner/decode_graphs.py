@@ -5,7 +5,7 @@ so at small batches the GPU waits on the host launching them. A CUDA graph recor
 launches once and replays them with a single call. What the graph recorded is fixed: the addresses
 it reads, the sizes, and every value the host computed while recording. So:
 
-- inputs live in the persistent buffers of :class:`~kvlib.step_inputs.InputBuffers`; a replay only
+- inputs live in the persistent buffers of :class:`~kvlib.runner.step_inputs.InputBuffers`; a replay only
   rewrites their contents;
 - there is one graph per batch-size bucket (1, 2, 4, 8, then multiples of 16, as nano-vllm does),
   and a batch is padded up to its bucket with chunks that store nothing;
@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from kvlib.step_inputs import PADDING, Chunk, InputBuffers
+from kvlib.runner.step_inputs import PADDING, Chunk, InputBuffers
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16

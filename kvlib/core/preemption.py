@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from kvlib.cost_model import PreemptionCostModel
-from kvlib.sequence import Sequence
+from kvlib.core.cost_model import PreemptionCostModel
+from kvlib.core.sequence import Sequence
 
 __all__ = ["LatestArrivalPolicy", "PreemptionContext", "PreemptionCostModel", "SparingPolicy", "VictimCandidate"]
 
@@ -66,7 +66,7 @@ class LatestArrivalPolicy:
         return candidates[-1]
 
     def choose_mode(self, victim: VictimCandidate, context: PreemptionContext) -> str:
-        """The cheaper option by the cost model (see :class:`~kvlib.cost_model.PreemptionCostModel`)."""
+        """The cheaper option by the cost model (see :class:`~kvlib.core.cost_model.PreemptionCostModel`)."""
         cost = self.cost_model or context.cost_model
         return cost.choose(context.num_host_blocks, context.block_bytes, context.num_tokens, context.batch_tokens)
 

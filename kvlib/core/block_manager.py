@@ -4,7 +4,7 @@ It is the mechanism under the scheduler's policy. The scheduler asks predicate/a
 (``can_admit``/``admit``, ``can_grow``/``grow``, ``can_swap_in``/``swap_in``, ``swap_out``,
 ``drop``, ``fork``, ``free``) and never touches a reference count; the block manager owns both
 allocators, the prefix cache with its host tier, and block sharing. It moves no bytes either:
-each action adds the copies it implies to the step's :class:`~kvlib.plan.BlockMoves`, which the model runner
+each action adds the copies it implies to the step's :class:`~kvlib.core.plan.BlockMoves`, which the model runner
 carries out before the forward pass.
 
 Three rules keep a step's copies correct whatever order the actions came in:
@@ -22,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from kvlib.block_allocator import AllocStatus
-from kvlib.block_table import blocks_for
-from kvlib.plan import BlockMoves
-from kvlib.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
-from kvlib.sequence import Sequence
-from kvlib.sharing import BlockSharing
+from kvlib.core.block_allocator import AllocStatus
+from kvlib.core.block_table import blocks_for
+from kvlib.core.plan import BlockMoves
+from kvlib.core.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
+from kvlib.core.sequence import Sequence
+from kvlib.core.sharing import BlockSharing
 
 
 @dataclass

@@ -2,28 +2,26 @@
 
 Record a run on the machine itself (a GPU, say) with::
 
-    python -m kvlib.measured_runs --name "H200 SXM, <where>"
+    kvlib record-run --name "H200 SXM, <where>"
 
 It measures the cost model as ``preemption_mode="auto"`` does at start-up, times victims both ways
 and returning conversations both ways with the same functions the lessons use, and appends the
-result to ``kvlib/assets/measured_costs.json``. Lessons 07 and 09 plot every recorded run.
+result to ``kvlib/course/data/measured_costs.json``. Lessons 07 and 09 plot every recorded run.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from kvlib import LLM, EngineConfig
-from kvlib.cost_model import PreemptionCostModel
-from kvlib.cost_probe import ReturningTiming, VictimTiming, time_returning_turns, time_victims
+from kvlib.core.cost_model import PreemptionCostModel
+from kvlib.runner.cost_probe import ReturningTiming, VictimTiming, time_returning_turns, time_victims
 
-RUNS_PATH = Path(__file__).resolve().parent / "assets" / "measured_costs.json"
+RUNS_PATH = Path(__file__).resolve().parent / "data" / "measured_costs.json"
 VICTIM_LENGTHS = [16, 64, 256, 1024, 4096]
 RETURNING_CONTEXTS = [64, 256, 1024, 4096]
 NEW_TOKENS = 40  # a returning turn's reply and new text, as in lesson 09
@@ -58,9 +56,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
-def measure_run(name: str, model: str = "smollm2-135m", block_size: int = 16, victim_lengths=VICTIM_LENGTHS,
-                contexts=RETURNING_CONTEXTS) -> MeasuredRun:
+def measure_run(name: str, model: str = "smollm2-135m", block_size: int = 16, victim_lengths=None,
+                contexts=None) -> MeasuredRun:
     """Measure this machine: the engine's own probe, then victims and returning turns in its pools."""
+    victim_lengths = VICTIM_LENGTHS if victim_lengths is None else victim_lengths
+    contexts = RETURNING_CONTEXTS if contexts is None else contexts
     blocks = 2 * (max([*victim_lengths, *contexts]) + NEW_TOKENS) // block_size + 64
     llm = LLM(model, EngineConfig(block_size=block_size, num_gpu_blocks=blocks, num_cpu_blocks=blocks,
                                   preemption_mode="auto"), verbose=False)
@@ -82,18 +82,3 @@ def save_run(run: MeasuredRun, path: Path = RUNS_PATH) -> None:
     raw = json.loads(Path(path).read_text())
     raw["runs"].append(asdict(run))
     Path(path).write_text(json.dumps(raw, indent=2) + "\n")
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", required=True, help="what the machine is, e.g. 'H200 SXM, <provider>'")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--file", type=Path, default=RUNS_PATH)
-    args = parser.parse_args(argv)
-    run = measure_run(args.name, args.model, victim_lengths=VICTIM_LENGTHS, contexts=RETURNING_CONTEXTS)
-    save_run(run, args.file)
-    print(f"recorded {run.name!r} ({run.device}, {run.model}, {run.dtype}) in {args.file}")
-
-
-if __name__ == "__main__":
-    main()

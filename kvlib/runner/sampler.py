@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from kvlib.sequence import Sequence
+from kvlib.core.sequence import Sequence
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

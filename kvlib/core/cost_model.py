@@ -1,8 +1,8 @@
 """What a preemption costs, in the seconds it adds to the engine's steps: one model for every machine.
 
-The same model prices this machine (its constants measured by :mod:`kvlib.cost_probe`), a GPU
-from its published figures (:mod:`kvlib.gpu_profiles`) and a recorded GPU run
-(:mod:`kvlib.measured_runs`), so their answers can be laid on the same axes.
+The same model prices this machine (its constants measured by :mod:`kvlib.runner.cost_probe`), a GPU
+from its published figures (:mod:`kvlib.course.gpu_profiles`) and a recorded GPU run
+(:mod:`kvlib.course.measured_runs`), so their answers can be laid on the same axes.
 """
 from __future__ import annotations
 

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from kvlib import interfaces
-from kvlib.block_allocator import BlockAllocator
-from kvlib.block_manager import BlockManager
 from kvlib.config import EngineConfig
-from kvlib.oversubscription import OversubscriptionDetector
-from kvlib.preemption import LatestArrivalPolicy, PreemptionCostModel
-from kvlib.prefix_cache import HostPrefixTier
-from kvlib.scheduler import Scheduler
-from kvlib.sharing import BlockSharing
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.oversubscription import OversubscriptionDetector
+from kvlib.core.preemption import LatestArrivalPolicy, PreemptionCostModel
+from kvlib.core.prefix_cache import HostPrefixTier
+from kvlib.core.scheduler import Scheduler
+from kvlib.core.sharing import BlockSharing
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Pieces:
         unknown = sorted(set(pieces) - set(names))
         if unknown:
             raise TypeError(f"unexpected keyword argument {unknown[0]!r}: the pieces you can pass are "
-                            f"{', '.join(names)} (kvlib.pieces.Pieces)")
+                            f"{', '.join(names)} (kvlib.core.pieces.Pieces)")
         return cls(**pieces)
 
     def with_defaults(self, config: EngineConfig) -> "Pieces":
