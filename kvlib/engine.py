@@ -250,8 +250,8 @@ class LLMEngine:
         tables = [seq.block_table.blocks for seq in s.waiting + s.running + s.swapped]
         self.metrics.record_step(StepRecord(
             step=self._step, time=now - start, end_time=now,
-            gpu_blocks_used=bm.gpu.num_used, gpu_blocks_total=bm.gpu.num_blocks,
-            cpu_blocks_used=bm.cpu.num_used, cpu_blocks_total=bm.cpu.num_blocks,
+            gpu_blocks_used=bm.device_pool.num_used, gpu_blocks_total=bm.device_pool.num_blocks,
+            cpu_blocks_used=bm.host_pool.num_used, cpu_blocks_total=bm.host_pool.num_blocks,
             num_running=len(s.running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
             num_batched_tokens=plan.num_batched_tokens, num_preemptions=plan.num_preemptions,
             blocks_saved_by_sharing=sum(map(len, tables)) - len({b for t in tables for b in t})))
@@ -259,5 +259,5 @@ class LLMEngine:
     def _stall_message(self) -> str:
         s, bm = self.scheduler, self.block_manager
         return (f"the scheduler found nothing to run: {len(s.waiting)} waiting, {len(s.running)} running, "
-                f"{len(s.swapped)} swapped, {bm.gpu.num_free}/{bm.gpu.num_blocks} device blocks free; "
+                f"{len(s.swapped)} swapped, {bm.device_pool.num_free}/{bm.device_pool.num_blocks} device blocks free; "
                 f"this is a bug in the scheduler or in a plugged-in allocator or policy")

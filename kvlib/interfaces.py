@@ -175,8 +175,9 @@ class PreemptionMechanism(Protocol):
     order, after its device blocks, and lets go of the host blocks. ``drop(seq, count)`` lets go of
     the last ``count`` device blocks (None: all) and of every host block, and returns the computed
     tokens lost. ``host_blocks_needed(seqs, count)`` says how many host blocks ``swap_out`` of each
-    of ``seqs`` would allocate. None of them copies K/V: each records the copies its move implies,
-    and the engine makes them all between the planning and the forward pass.
+    of ``seqs`` would allocate. None of them copies K/V: each plans the copies its move implies
+    (``copy_out``, ``copy_in``), and the engine makes them all between the planning and the forward
+    pass.
 
     Must keep true: every block reference taken is let go of exactly once (a block shared with
     other sequences stays theirs), and each copy reads what its source held when the step began,
@@ -184,8 +185,11 @@ class PreemptionMechanism(Protocol):
     The engine guarantees that the scheduler asked ``host_blocks_needed`` and made that much room
     on the host first (or recomputes instead), that nothing a step swaps out is swapped in by it,
     that the copies run device to host first, and that a request's blocks go through ``drop(seq)``
-    when it finishes or is aborted. The block actions the methods use are the base class's
-    (``kvlib.core.block_manager.BlockManager``; lab 06 lists them).
+    when it finishes or is aborted. The methods work with the base class's block actions
+    (``kvlib.core.block_manager.BlockManager``), each with one meaning: ``take()`` and
+    ``take_host()`` (a new block, one reference), ``release(seq, count)`` (the sequence lets go of
+    its last ``count`` device blocks), ``release_host(block)``, and ``copy_out(device, host)`` /
+    ``copy_in(host, device)`` (plan a copy; each holds the host block until the copy has run).
     """
 
     def swap_out(self, seq, count: Optional[int] = None) -> None: ...

@@ -29,11 +29,11 @@ def test_grow_takes_the_missing_blocks_only():
     assert bm.blocks_to_grow(seq, 10) == 3 and bm.can_grow(seq, 10)
     bm.grow(seq, 10)
     computed(seq, 10)
-    assert len(seq.block_table) == 3 and bm.gpu.num_free == 13
+    assert len(seq.block_table) == 3 and bm.device_pool.num_free == 13
     seq.output_token_ids += [1, 2]  # 12 tokens: still 3 blocks, then 13 needs a fourth
     assert bm.blocks_to_grow(seq, 12) == 0 and bm.blocks_to_grow(seq, 13) == 1
     bm.grow(seq, 12)
-    assert bm.gpu.num_free == 13 and not bm.end_step()
+    assert bm.device_pool.num_free == 13 and not bm.end_step()
 
 
 def test_admission_keeps_the_watermark_unless_asked_not_to():
@@ -50,7 +50,7 @@ def test_a_fork_shares_and_the_first_write_copies():
     child = parent.spawn_sample(1)
     bm.fork(parent, child)
     assert child.block_table.blocks == parent.block_table.blocks
-    assert [bm.gpu.ref_count(b) for b in parent.block_table.blocks] == [2, 2]
+    assert [bm.device_pool.ref_count(b) for b in parent.block_table.blocks] == [2, 2]
     shared_tail = parent.block_table.blocks[1]
     parent.output_token_ids.append(7)  # position 6 lands in the shared, partly filled block 1
     assert bm.blocks_to_grow(parent, 7) == 1
@@ -58,7 +58,7 @@ def test_a_fork_shares_and_the_first_write_copies():
     moves = bm.end_step()
     new_tail = parent.block_table.blocks[1]
     assert moves.copies == [(shared_tail, new_tail)] and new_tail != shared_tail
-    assert child.block_table.blocks[1] == shared_tail and bm.gpu.ref_count(shared_tail) == 1
+    assert child.block_table.blocks[1] == shared_tail and bm.device_pool.ref_count(shared_tail) == 1
     assert bm.unique_tail(parent) == 1 and bm.unique_tail(child) == 1 and bm.num_shared(child) == 1
 
 
@@ -70,13 +70,13 @@ def test_swap_out_moves_a_shared_full_block_once():
     bm.fork(parent, child)
     bm.begin_step()
     bm.swap_out(parent)
-    assert len(bm.moves.swap_out) == 3 and bm.gpu.num_free == 16 - 3  # the child still holds all three
+    assert len(bm.moves.swap_out) == 3 and bm.device_pool.num_free == 16 - 3  # the child still holds all three
     bm.end_step()
     bm.begin_step()  # a later step: the child's full blocks already have host twins
     assert bm.host_blocks_needed([child]) == 1
     bm.swap_out(child)
     moves = bm.end_step()
-    assert len(moves.swap_out) == 1 and bm.gpu.num_free == 16 and bm.cpu.num_used == 4
+    assert len(moves.swap_out) == 1 and bm.device_pool.num_free == 16 and bm.host_pool.num_used == 4
     assert child.host_blocks[:2] == parent.host_blocks[:2] and child.host_blocks[2] != parent.host_blocks[2]
 
 
@@ -90,7 +90,7 @@ def test_samples_come_back_one_by_one_and_share_full_blocks_again():
     bm.swap_out(parent)
     bm.swap_out(child)  # in the same step: every block they share moves once, the partly filled one too
     bm.end_step()
-    assert bm.cpu.num_used == 3 and bm.gpu.num_free == 16
+    assert bm.host_pool.num_used == 3 and bm.device_pool.num_free == 16
     bm.begin_step()
     assert bm.can_swap_in(parent, 10, use_watermark=False)
     bm.swap_in(parent)
@@ -102,7 +102,7 @@ def test_samples_come_back_one_by_one_and_share_full_blocks_again():
     assert len(second.swap_in) == 1
     assert child.block_table.blocks[:2] == parent.block_table.blocks[:2]
     assert child.block_table.blocks[2] != parent.block_table.blocks[2]
-    assert bm.cpu.num_used == 0 and bm.gpu.num_free == 16 - 4
+    assert bm.host_pool.num_used == 0 and bm.device_pool.num_free == 16 - 4
 
 
 def test_a_host_block_read_this_step_is_not_reused_before_the_copy():
@@ -113,15 +113,15 @@ def test_a_host_block_read_this_step_is_not_reused_before_the_copy():
     bm.begin_step()
     bm.swap_out(swapped)
     bm.end_step()
-    assert bm.cpu.num_free == 0
+    assert bm.host_pool.num_free == 0
     victim = sequence(4)
     bm.grow(victim, 4)
     computed(victim, 4)
     bm.begin_step()
     bm.swap_in(swapped)  # its two host blocks are read this step ...
-    assert bm.cpu.num_free == 0 and not bm.make_host_room(1)  # ... so nobody may write into them yet
+    assert bm.host_pool.num_free == 0 and not bm.make_host_room(1)  # ... so nobody may write into them yet
     moves = bm.end_step()
-    assert len(moves.swap_in) == 2 and bm.cpu.num_free == 2
+    assert len(moves.swap_in) == 2 and bm.host_pool.num_free == 2
 
 
 def test_drop_lets_go_of_the_tail_and_of_host_copies():
@@ -131,9 +131,9 @@ def test_drop_lets_go_of_the_tail_and_of_host_copies():
     assert bm.drop(seq, 1) == 4 and len(seq.block_table) == 2 and seq.num_computed_tokens == 8
     bm.swap_out(seq, 1)  # partial swap: block 1 on the host, block 0 on the device
     assert seq.num_computed_tokens == 8 and len(seq.host_blocks) == 1
-    assert bm.drop(seq) == 8 and bm.gpu.num_free == 16
+    assert bm.drop(seq) == 8 and bm.device_pool.num_free == 16
     bm.end_step()
-    assert bm.cpu.num_free == 16
+    assert bm.host_pool.num_free == 16
 
 
 def test_prefix_blocks_are_named_evicted_tail_first_and_demoted_to_the_host_tier():
@@ -143,7 +143,7 @@ def test_prefix_blocks_are_named_evicted_tail_first_and_demoted_to_the_host_tier
     computed(first, 9)
     bm.register_computed(first)
     assert bm.cache.num_cached == 2 and bm.cache.num_evictable == 0
-    bm.free(first)
+    bm.drop(first)
     assert bm.cache.num_evictable == 2 and bm.num_free_blocks == 4
     other = Sequence("o", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], SamplingParams(), BS, 1.0)
     bm.begin_step()
@@ -162,11 +162,11 @@ def test_a_host_tier_hit_is_copied_back_and_cached_again():
     bm.grow(first, 9)
     computed(first, 9)
     bm.register_computed(first)
-    bm.free(first)
+    bm.drop(first)
     filler = Sequence("f", list(range(200, 232)), SamplingParams(), BS, 1.0)
     bm.grow(filler, 32)  # all eight blocks: both cached blocks are evicted to the host tier
     bm.end_step()
-    bm.free(filler)
+    bm.drop(filler)
     again = sequence(9)
     hits = bm.prefix_hits(again)
     assert [h.on_host for h in hits] == [True, True]
@@ -185,6 +185,6 @@ def test_host_blocks_needed_matches_what_swap_out_allocates(count):
     bm.grow(seq, 11)
     computed(seq, 11)
     needed = bm.host_blocks_needed([seq], count)
-    free = bm.cpu.num_free
+    free = bm.host_pool.num_free
     bm.swap_out(seq, count)
-    assert free - bm.cpu.num_free == needed == (3 if count is None else 2)
+    assert free - bm.host_pool.num_free == needed == (3 if count is None else 2)

@@ -37,7 +37,7 @@ def running(bm: BlockManager, tokens, request_id="r") -> Sequence:
 def cached_and_released(bm: BlockManager, tokens, request_id="c") -> Sequence:
     seq = running(bm, tokens, request_id)
     bm.register_computed(seq)
-    bm.free(seq)
+    bm.drop(seq)
     return seq
 
 
@@ -48,7 +48,7 @@ def test_growing_is_allowed_exactly_up_to_the_free_blocks():
     assert bm.blocks_to_grow(seq, 9) == 3 and not bm.can_grow(seq, 9)
     assert bm.blocks_to_grow(seq, 8) == 2 and bm.can_grow(seq, 8)
     bm.grow(seq, 8)
-    assert bm.gpu.num_free == 0 and len(seq.block_table) == 2
+    assert bm.device_pool.num_free == 0 and len(seq.block_table) == 2
     seq.num_computed_tokens = 7
     assert bm.blocks_to_grow(seq, 8) == 0 and bm.can_grow(seq, 8)  # a write inside its last block
     assert not bm.end_step() and holder.block_table.blocks == [0, 1]
@@ -65,14 +65,14 @@ def test_a_write_into_shared_blocks_needs_one_copy_for_each():
     bm.grow(parent, 6)
     moves = bm.end_step()
     assert moves.copies == [(0, 2), (1, 3)] and parent.block_table.blocks == [2, 3]
-    assert child.block_table.blocks == [0, 1] and [bm.gpu.ref_count(b) for b in range(4)] == [1, 1, 1, 1]
+    assert child.block_table.blocks == [0, 1] and [bm.device_pool.ref_count(b) for b in range(4)] == [1, 1, 1, 1]
     assert moves and moves.to_host == [] and moves.to_device == []
 
 
 def test_cached_blocks_nobody_uses_count_as_free_and_are_taken_last():
     bm = manager(gpu=4, enable_prefix_caching=True)
     cached_and_released(bm, 9)  # 3 blocks, 2 of them full and cached
-    assert bm.gpu.num_free == 2 and bm.cache.num_evictable == 2 and bm.num_free_blocks == 4
+    assert bm.device_pool.num_free == 2 and bm.cache.num_evictable == 2 and bm.num_free_blocks == 4
     seq = sequence(range(50, 66))
     assert bm.blocks_to_grow(seq, 16) == 4 and bm.can_grow(seq, 16)
     assert bm.can_admit(seq, [], 16, use_watermark=False)
@@ -95,7 +95,7 @@ def test_a_hit_on_an_unused_cached_block_is_not_counted_as_spare_too():
     assert short.block_hashes == [hits[0].name] and bm.cache.num_evictable == 1
     stats = bm.prefix_stats
     assert (stats.queried_tokens, stats.hit_tokens, stats.host_hit_tokens) == (8, 4, 0)
-    assert bm.gpu.ref_count(hits[0].block_id) == 2 and bm.sharers(hits[0].block_id) == 1
+    assert bm.device_pool.ref_count(hits[0].block_id) == 2 and bm.sharers(hits[0].block_id) == 1
 
 
 def test_a_prompt_of_whole_blocks_keeps_its_last_token_to_compute():
@@ -116,7 +116,7 @@ def test_names_chain_over_the_blocks_and_are_given_once():
     assert seq.block_hashes == [first, block_hash(first, (104, 105, 106, 107))]
     bm.register_computed(seq)
     assert len(seq.block_hashes) == 2 and bm.cache.num_cached == 2
-    assert [bm.gpu.ref_count(b) for b in seq.block_table.blocks] == [2, 2, 1]
+    assert [bm.device_pool.ref_count(b) for b in seq.block_table.blocks] == [2, 2, 1]
     assert manager().register_computed(seq) is None and seq.block_hashes == [first, seq.block_hashes[1]]
 
 
@@ -138,7 +138,7 @@ def test_releasing_the_tail_shrinks_what_is_computed_and_named():
     bm.register_computed(seq)
     assert bm.drop(seq, 2) == 7 and seq.num_computed_tokens == 4 and len(seq.block_hashes) == 1
     assert bm.drop(seq, 0) == 0 and seq.num_computed_tokens == 4
-    assert bm.drop(seq) == 4 and bm.gpu.num_free == 6 and bm.cache.num_evictable == 2
+    assert bm.drop(seq) == 4 and bm.device_pool.num_free == 6 and bm.cache.num_evictable == 2
 
 
 def test_swap_out_and_in_of_one_sequence_moves_each_block_once_each_way():
@@ -150,15 +150,15 @@ def test_swap_out_and_in_of_one_sequence_moves_each_block_once_each_way():
     assert bm.host_blocks_needed([seq]) == 0  # nothing left on the device
     out = bm.end_step()
     assert out.swap_out == [(0, 0), (1, 1)] and out.to_host == out.swap_out and not out.to_device
-    assert seq.host_blocks == [0, 1] and bm.cpu.num_used == 2 and bm.gpu.num_free == 4
+    assert seq.host_blocks == [0, 1] and bm.host_pool.num_used == 2 and bm.device_pool.num_free == 4
     assert seq.num_computed_tokens == 7  # its K/V is kept, on the host
     bm.begin_step()
     assert bm.can_swap_in(seq, 8, use_watermark=False)
     bm.swap_in(seq)
-    assert bm.cpu.num_used == 2  # held until the step's copies have run
+    assert bm.host_pool.num_used == 2  # held until the step's copies have run
     back = bm.end_step()
     assert back.swap_in == [(0, 2), (1, 3)] and back.to_device == back.swap_in  # freed blocks are reused last
-    assert bm.cpu.num_used == 0 and seq.host_blocks == [] and seq.block_table.blocks == [2, 3]
+    assert bm.host_pool.num_used == 0 and seq.host_blocks == [] and seq.block_table.blocks == [2, 3]
 
 
 def test_swap_in_needs_room_for_the_blocks_and_the_next_position():
@@ -183,7 +183,7 @@ def test_swapping_out_two_samples_that_share_moves_the_shared_block_once():
     bm.swap_out(child)
     moves = bm.end_step()
     assert len(moves.swap_out) == 2 and child.host_blocks == parent.host_blocks
-    assert [bm.cpu.ref_count(b) for b in parent.host_blocks] == [2, 2] and bm.gpu.num_free == 8
+    assert [bm.host_pool.ref_count(b) for b in parent.host_blocks] == [2, 2] and bm.device_pool.num_free == 8
 
 
 def test_host_room_comes_from_the_host_tier_before_a_swap():
@@ -194,20 +194,20 @@ def test_host_room_comes_from_the_host_tier_before_a_swap():
     bm.grow(filler, 8)  # takes the cached block: demoted to the host tier
     moves = bm.end_step()
     assert moves.demote == [(0, 0)] and moves.to_host == [(0, 0)] and bm.host_tier.num_cached == 1
-    assert bm.cpu.num_free == 0 and bm.make_host_room(0)
-    assert bm.make_host_room(1) and bm.cpu.num_free == 1 and bm.host_tier.num_cached == 0
+    assert bm.host_pool.num_free == 0 and bm.make_host_room(0)
+    assert bm.make_host_room(1) and bm.host_pool.num_free == 1 and bm.host_tier.num_cached == 0
     assert not bm.make_host_room(2) and not manager(cpu=0).make_host_room(1)
 
 
 def test_an_evicted_block_is_demoted_once_and_only_while_the_host_has_room():
     bm = manager(gpu=1, cpu=1, enable_prefix_caching=True, host_prefix_cache=True)
     cached_and_released(bm, 4, "first")
-    assert bm.cache.num_evictable == 1 and bm.gpu.num_free == 0
+    assert bm.cache.num_evictable == 1 and bm.device_pool.num_free == 0
     bm.begin_step()
     second = running(bm, range(20, 24), "second")  # evicts first's block to the host
     bm.register_computed(second)
     assert bm.end_step().demote == [(0, 0)]
-    bm.free(second)
+    bm.drop(second)
     bm.begin_step()
     running(bm, range(60, 64), "third")  # evicts second's block; the host tier makes room
     moves = bm.end_step()

@@ -71,7 +71,7 @@ def test_every_position_is_computed_once_plus_what_preemption_lost(config):
         if m.num_preemptions_recompute == 0:
             assert m.num_swapped_in_blocks == m.num_swapped_out_blocks
         assert sum(s.num_preemptions for seqs in e.requests.values() for s in seqs) == m.num_preemptions
-        assert e.block_manager.gpu.num_free == config["num_gpu_blocks"] and e.block_manager.cpu.num_used == 0
+        assert e.block_manager.device_pool.num_free == config["num_gpu_blocks"] and e.block_manager.host_pool.num_used == 0
         if config["preemption_mode"] == "recompute":
             assert m.num_preemptions_swap == 0 and m.num_swapped_out_blocks == 0
         else:
@@ -90,7 +90,7 @@ def test_a_stop_token_ends_a_request_before_max_tokens():
     e.scheduler.add(seq)  # the model-free engine samples token 0 every time
     result = e.step()
     assert result.finished == [seq] and seq.finish_reason == "stop" and seq.output_token_ids == [0]
-    assert not e.has_unfinished() and e.block_manager.gpu.num_free == 8
+    assert not e.has_unfinished() and e.block_manager.device_pool.num_free == 8
 
 
 def test_a_sequence_mid_prefill_draws_no_token():

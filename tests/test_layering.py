@@ -32,7 +32,7 @@ def test_the_engine_imports_nothing_from_the_course_or_the_commands():
 def test_the_scheduler_never_touches_an_allocator():
     """Policy asks, mechanism answers: reference counts are the block manager's business."""
     source = (PACKAGE / "core" / "scheduler.py").read_text()
-    for mechanism in (".gpu.", ".cpu.", "ref_count", "allocate(", ".fork(", "make_writable"):
+    for mechanism in (".device_pool.", ".host_pool.", "ref_count", "allocate(", ".fork(", "make_writable"):
         assert mechanism not in source.replace("self.bm.fork(", ""), mechanism
 
 

@@ -155,7 +155,7 @@ def test_generate_that_raises_leaves_the_llm_usable(folder):
     with pytest.raises(RuntimeError, match="detector bug"):
         llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6))
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.block_manager.gpu.num_free == 64
+    assert llm.engine.block_manager.device_pool.num_free == 64
     expected = roomy(folder, [[1, 2, 3]], [SamplingParams(max_tokens=6)], 4)
     assert samples(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=6))) == expected
 
@@ -265,7 +265,7 @@ def test_abort_frees_everything_in_every_state(folder, state):
             finished[out.request_id] = out.token_ids
         check_invariants(engine)
     bm = engine.block_manager
-    assert bm.gpu.num_used == bm.cache.num_cached and bm.cpu.num_used == 0  # only the cache's own blocks remain
+    assert bm.device_pool.num_used == bm.cache.num_cached and bm.host_pool.num_used == 0  # only the cache's own blocks remain
     assert llm.metrics.num_aborted == 1 and "x" not in llm.metrics.requests
     assert finished["other"] == roomy(folder, [other], [SamplingParams(max_tokens=other_tokens)], 4)[0][0]
 

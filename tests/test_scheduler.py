@@ -90,13 +90,13 @@ def test_swap_preempts_to_the_host_and_swaps_back_in():
     for _ in range(3):
         e.step()
     assert status(e, "new") == "swapped" and len(e.requests["new"][0].host_blocks) == 2
-    assert e.metrics.num_swapped_out_blocks == 2 and e.block_manager.cpu.num_used == 2
+    assert e.metrics.num_swapped_out_blocks == 2 and e.block_manager.host_pool.num_used == 2
     while status(e, "old") != "finished":
         e.step()
     e.step()
     assert status(e, "new") == "running" and e.metrics.num_swapped_in_blocks == 2
     assert scheduled(e) == {"new/0": 1}  # no recomputation: it continues where it stopped
-    assert e.block_manager.cpu.num_used == 0
+    assert e.block_manager.host_pool.num_used == 0
 
 
 def test_partial_preemption_takes_only_the_shortfall_from_the_tail():

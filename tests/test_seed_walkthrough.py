@@ -36,7 +36,7 @@ def walk_through(folder, prompts, mode, partial):
     config = EngineConfig(block_size=1, num_gpu_blocks=500, num_cpu_blocks=500, preemption_mode=mode,
                           partial_preemption=partial, watermark=0.0, max_num_batched_tokens=201)
     llm = LLM(folder, config, verbose=False)
-    engine, gpu = llm.engine, llm.engine.block_manager.gpu
+    engine, gpu = llm.engine, llm.engine.block_manager.device_pool
     params = SamplingParams(max_tokens=8)
     c_arrival = time.perf_counter()
     engine.add_request("A", prompts[0], params)

@@ -2,8 +2,8 @@
 
 It is the mechanism under the scheduler's policy. The scheduler asks predicate/action pairs
 (``can_admit``/``admit``, ``can_grow``/``grow``, ``can_swap_in``/``swap_in``, ``swap_out``,
-``drop``, ``fork``, ``free``) and never touches a reference count; the block manager owns both
-allocators, the prefix cache with its host tier, and block sharing. It moves no bytes either:
+``drop``, ``fork``) and never touches a reference count; the block manager owns both pools' allocators
+(``device_pool``, ``host_pool``), the prefix cache with its host tier, and block sharing. It moves no bytes either:
 each action adds the copies it implies to the step's :class:`~kvlib.core.plan.BlockMoves`, which the model runner
 carries out before the forward pass.
 
@@ -39,19 +39,22 @@ class PrefixStats:
 
 class BlockManager:
     """Subclasses may replace the preemption mechanisms (``swap_out``, ``swap_in``, ``drop`` and
-    ``host_blocks_needed``, see ``kvlib.interfaces.PreemptionMechanism``) using the single-block
-    actions: ``take``, ``share``, ``release``, ``hold_host``, ``free_host`` and ``moves``."""
+    ``host_blocks_needed``, see ``kvlib.interfaces.PreemptionMechanism``) with the block actions,
+    each with one meaning: ``take`` / ``take_host`` (a new block, one reference), ``share`` (one more
+    reference to a device block), ``release`` (a sequence lets go of its last device blocks),
+    ``release_host`` (one reference to a host block goes), and ``copy_out`` / ``copy_in`` (plan a
+    copy between the pools for this step)."""
 
-    def __init__(self, block_size: int, gpu_allocator, cpu_allocator, *, watermark_blocks: int = 0,
+    def __init__(self, block_size: int, device_allocator, host_allocator, *, watermark_blocks: int = 0,
                  enable_prefix_caching: bool = False, host_prefix_cache: bool = False,
                  sharing: Optional[BlockSharing] = None, host_tier_factory: Callable = HostPrefixTier):
         self.block_size = block_size
-        self.gpu = gpu_allocator
-        self.cpu = cpu_allocator
+        self.device_pool = device_allocator
+        self.host_pool = host_allocator
         self.watermark_blocks = watermark_blocks
         self.sharing = sharing or BlockSharing()
-        self.cache = PrefixCache(gpu_allocator) if enable_prefix_caching else None
-        self.host_tier = host_tier_factory(cpu_allocator) if host_prefix_cache else None
+        self.cache = PrefixCache(device_allocator) if enable_prefix_caching else None
+        self.host_tier = host_tier_factory(host_allocator) if host_prefix_cache else None
         self.prefix_stats = PrefixStats()
         self.moves = BlockMoves()
         self._held_host: list[int] = []  # host blocks read or written by this step's moves
@@ -67,32 +70,32 @@ class BlockManager:
     def end_step(self) -> BlockMoves:
         """The step's moves; the host blocks they hold are let go (the copies run before anything reuses them)."""
         for block in self._held_host:
-            self.free_host(block)
+            self.release_host(block)
         self._held_host.clear()
         return self.moves
 
     # ---- capacity ------------------------------------------------------------------------------
     @property
     def num_device_blocks(self) -> int:
-        return self.gpu.num_blocks
+        return self.device_pool.num_blocks
 
     @property
     def num_free_host_blocks(self) -> int:
-        return self.cpu.num_free
+        return self.host_pool.num_free
 
     @property
     def num_free_blocks(self) -> int:
         """Device blocks that can be handed out now: free ones, plus cached ones nobody uses."""
-        return self.gpu.num_free + (self.cache.num_evictable if self.cache is not None else 0)
+        return self.device_pool.num_free + (self.cache.num_evictable if self.cache is not None else 0)
 
     def _status(self, needed: int, use_watermark: bool, revived: int = 0) -> AllocStatus:
         """The allocator's answer, counting evictable cached blocks (minus those a hit revives) as free."""
         spare = self.cache.num_evictable - revived if self.cache is not None else 0
-        return self.gpu.can_allocate(max(0, needed - spare), self.watermark_blocks if use_watermark else 0)
+        return self.device_pool.can_allocate(max(0, needed - spare), self.watermark_blocks if use_watermark else 0)
 
     def sharers(self, block: int) -> int:
         """Sequences holding a device block (the prefix cache's own reference is not a user)."""
-        return self.gpu.ref_count(block) - (1 if self.cache is not None and block in self.cache else 0)
+        return self.device_pool.ref_count(block) - (1 if self.cache is not None and block in self.cache else 0)
 
     def unique_tail(self, seq: Sequence) -> int:
         """Trailing device blocks no other sequence holds: what a partial preemption can take."""
@@ -111,7 +114,7 @@ class BlockManager:
         """New device blocks ``seq`` needs to compute up to position ``end``: missing ones and private copies.
 
         Asked for every running sequence in every step, so it counts in one pass, building nothing."""
-        blocks, ref_count = seq.block_table.blocks, self.gpu.ref_count
+        blocks, ref_count = seq.block_table.blocks, self.device_pool.ref_count
         shared = sum(ref_count(blocks[i]) > 1 for i in self._written(seq, end))
         return seq.block_table.num_missing_blocks(end) + shared
 
@@ -121,10 +124,10 @@ class BlockManager:
 
     def grow(self, seq: Sequence, end: int) -> None:
         """Make room for positions ``num_computed_tokens .. end-1``: a private copy of any shared block they write."""
-        blocks, ref_count = seq.block_table.blocks, self.gpu.ref_count
+        blocks, ref_count = seq.block_table.blocks, self.device_pool.ref_count
         for index in self._written(seq, end):
             if ref_count(blocks[index]) > 1:
-                copy = self.sharing.make_writable(self.gpu, blocks, index, self.take)
+                copy = self.sharing.make_writable(self.device_pool, blocks, index, self.take)
                 if copy is not None:
                     self.moves.copies.append(copy)
         for _ in range(seq.block_table.num_missing_blocks(end)):
@@ -150,7 +153,7 @@ class BlockManager:
         if not hits:
             return self._status(self.blocks_to_grow(seq, end), use_watermark) is AllocStatus.OK
         from_host = sum(1 for h in hits if h.on_host)  # each is copied back into a new device block
-        revived = sum(1 for h in hits if not h.on_host and self.gpu.ref_count(h.block_id) == 1)
+        revived = sum(1 for h in hits if not h.on_host and self.device_pool.ref_count(h.block_id) == 1)
         needed = from_host + max(0, blocks_for(end, self.block_size) - len(hits))
         return self._status(needed, use_watermark, revived) is AllocStatus.OK
 
@@ -160,12 +163,12 @@ class BlockManager:
             self._record_query(seq, hits)
         # Claim every hit before taking a device block: taking one may evict a cached block, and
         # that eviction may push the host tier to make room, so either could be an unclaimed hit.
-        claimed = [self.hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
+        claimed = [self._hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
         for hit, block in zip(hits, claimed):
             if hit.on_host:
                 entry = self.host_tier.lookup(hit.name, self._block_tokens(seq, len(seq.block_table)))
                 block = self.take()
-                self.moves.promote.append((hit.block_id, block))
+                self.moves.promote.append((hit.block_id, block))  # the hold above keeps the host block
                 self.host_tier.touch(hit.name)
                 self.cache.insert(hit.name, entry.tokens, block)
             seq.block_table.append(block)
@@ -192,22 +195,21 @@ class BlockManager:
 
     def make_host_room(self, needed: int) -> bool:
         """Evict host-tier prefix blocks until ``needed`` host blocks are free: a preempted sequence outranks them."""
-        while self.cpu.num_free < needed and self.host_tier is not None and self.host_tier.evict_one():
+        while self.host_pool.num_free < needed and self.host_tier is not None and self.host_tier.evict_one():
             pass
-        return self.cpu.num_free >= needed
+        return self.host_pool.num_free >= needed
 
     def swap_out(self, seq: Sequence, count: Optional[int] = None) -> None:
         """Move the last ``count`` device blocks (None: all) to the host; the caller made room."""
         hosts = []
         for index, block in self._tail(seq, count):
             if block in self._moved_out:
-                host = self.cpu.fork(self._moved_out[block])
+                host = self.host_pool.fork(self._moved_out[block])
             elif self._is_full(seq, index) and block in self._host_twin:
-                host = self.cpu.fork(self._host_twin[block])
+                host = self.host_pool.fork(self._host_twin[block])
             else:
-                host = self.cpu.allocate()
-                self.hold_host(host)
-                self.moves.swap_out.append((block, host))
+                host = self.take_host()
+                self.copy_out(block, host)
                 self._moved_out[block] = host
                 if self._is_full(seq, index):
                     self._pair(block, host)
@@ -231,12 +233,11 @@ class BlockManager:
                 block = self.share(self._device_twin[host])
             else:
                 block = self.take()
-                self.moves.swap_in.append((host, block))
+                self.copy_in(host, block)  # holds the host block until the copy has run
                 if self._is_full(seq, index):
                     self._pair(block, host)
             seq.block_table.append(block)
-            self.hold_host(host)
-            self.free_host(host)  # the hold keeps it until the copy has run
+            self.release_host(host)
         seq.host_blocks = []
 
     def _tail(self, seq: Sequence, count: Optional[int]) -> list[tuple[int, int]]:
@@ -261,18 +262,14 @@ class BlockManager:
         """
         before = seq.num_computed_tokens
         for host in seq.host_blocks:
-            self.free_host(host)
+            self.release_host(host)
         seq.host_blocks = []
         self.release(seq, len(seq.block_table) if count is None else count)
         return before - seq.num_computed_tokens
 
-    def free(self, seq: Sequence) -> None:
-        """A finished or aborted sequence lets go of everything it holds."""
-        self.drop(seq)
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` continues from ``parent``'s computed tokens, sharing every block by reference."""
-        child.block_table.blocks = self.sharing.fork(self.gpu, list(parent.block_table.blocks))
+        child.block_table.blocks = self.sharing.fork(self.device_pool, list(parent.block_table.blocks))
         child.num_computed_tokens = child.peak_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
 
@@ -294,7 +291,7 @@ class BlockManager:
         """
         released = seq.block_table.pop_tail(count)
         for block in released:
-            self.gpu.free(block)
+            self.device_pool.free(block)
             self._forget_if_free(block)
         if self.cache is not None:
             self.cache.released(released)
@@ -305,41 +302,55 @@ class BlockManager:
     # ---- single blocks -------------------------------------------------------------------------
     def take(self) -> int:
         """A free device block, evicting the least recently released cached one when none is free."""
-        if self.gpu.num_free == 0 and self.cache is not None:
+        if self.device_pool.num_free == 0 and self.cache is not None:
             entry = self.cache.evict_one()
             if entry is not None:
                 self._forget_if_free(entry.block_id)
                 self._demote(entry.name, entry.tokens, entry.block_id)
-        return self.gpu.allocate()
+        return self.device_pool.allocate()
 
     def share(self, block: int) -> int:
         """One more owner for a device block (a cached block nobody used is no longer evictable)."""
         if self.cache is not None:
             self.cache.acquired(block)
-        return self.gpu.fork(block)
+        return self.device_pool.fork(block)
+
+    def copy_out(self, device_block: int, host_block: int) -> None:
+        """Plan this step's copy of a device block's K/V into a host block (the first of the step's phases).
+
+        The host block is held until the copy has run, so no later action of the step can reuse it."""
+        self.moves.swap_out.append((device_block, self._hold_host(host_block)))
+
+    def copy_in(self, host_block: int, device_block: int) -> None:
+        """Plan this step's copy of a host block's K/V into a device block (the step's last phase).
+
+        The host block is held until the copy has read it, so its owner may release it at once."""
+        self.moves.swap_in.append((self._hold_host(host_block), device_block))
+
+    def _hold_host(self, block: int) -> int:
+        self._held_host.append(self.host_pool.fork(block))
+        return block
 
     def _demote(self, name: int, tokens: tuple[int, ...], device_block: int) -> None:
         """Keep an evicted device block on the host tier, if there is one and it has (or makes) room."""
         if self.host_tier is None or name in self.host_tier:
             return
-        if self.cpu.num_free == 0 and not self.host_tier.evict_one():
+        if self.host_pool.num_free == 0 and not self.host_tier.evict_one():
             return
-        host = self.cpu.allocate()
-        self.hold_host(host)
-        self.moves.demote.append((device_block, host))
+        host = self.take_host()
+        self.moves.demote.append((device_block, self._hold_host(host)))
         self.host_tier.put(name, tokens, host)
 
-    def hold_host(self, block: int) -> int:
-        """Keep a host block a move of this step reads or writes from being reused before the move runs."""
-        self._held_host.append(self.cpu.fork(block))
-        return block
+    def take_host(self) -> int:
+        """A free host block, with one reference: the caller's."""
+        return self.host_pool.allocate()
 
-    def free_host(self, block: int) -> None:
-        """Drop one owner of a host block."""
-        self.cpu.free(block)
-        if self.cpu.ref_count(block) == 0 and block in self._device_twin:
+    def release_host(self, block: int) -> None:
+        """One reference to a host block goes (a copy planned this step still holds its own)."""
+        self.host_pool.free(block)
+        if self.host_pool.ref_count(block) == 0 and block in self._device_twin:
             self._host_twin.pop(self._device_twin.pop(block), None)
 
     def _forget_if_free(self, block: int) -> None:
-        if self.gpu.ref_count(block) == 0 and block in self._host_twin:
+        if self.device_pool.ref_count(block) == 0 and block in self._host_twin:
             self._device_twin.pop(self._host_twin.pop(block), None)

@@ -36,8 +36,8 @@ def check_invariants(engine) -> None:
         device_owners.update(entry.block_id for entry in bm.cache)
     if bm.host_tier is not None:
         host_owners.update(entry.block_id for entry in bm.host_tier)
-    _check_pool("device", bm.gpu, device_owners)
-    _check_pool("host", bm.cpu, host_owners)
+    _check_pool("device", bm.device_pool, device_owners)
+    _check_pool("host", bm.host_pool, host_owners)
     for seq in live:
         if seq.num_computed_tokens > (len(seq.block_table) + len(seq.host_blocks)) * bm.block_size:
             raise InvariantError(f"sequence {seq.seq_id} claims {seq.num_computed_tokens} computed tokens "

@@ -77,7 +77,7 @@ def build_core(config: EngineConfig, pieces: Pieces, *, num_device_blocks: int, 
 
 def _check_core(bm: BlockManager, scheduler: Scheduler, pieces: Pieces) -> None:
     """Every piece has the whole of its protocol: said now, not mid-step."""
-    checks = [(bm.gpu, interfaces.BlockAllocator, "allocator"), (bm.cpu, interfaces.BlockAllocator, "allocator"),
+    checks = [(bm.device_pool, interfaces.BlockAllocator, "allocator"), (bm.host_pool, interfaces.BlockAllocator, "allocator"),
               (bm.sharing, interfaces.BlockSharing, "block_sharing"),
               (pieces.oversubscription_detector, interfaces.OversubscriptionDetector, "oversubscription_detector"),
               (scheduler, interfaces.SchedulingStep, "scheduler"),

@@ -273,5 +273,5 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done (finished or aborted): it leaves its queue and lets go of every block."""
-        self.bm.free(seq)
+        self.bm.drop(seq)
         self.move(seq, SequenceStatus.FINISHED)

@@ -122,7 +122,7 @@ class PoolRecorder:
         device_followed.update(b for b, name in device_names.items() if name in self._followed_names)
         host_followed.update(b for b, name in host_names.items() if name in self._followed_names)
         preempted = sum(1 for seq in s.waiting + s.swapped if seq.num_preemptions)
-        return PoolSnapshot(step, _owners(bm.gpu, device, set(device_names)), _owners(bm.cpu, host, set(host_names)),
+        return PoolSnapshot(step, _owners(bm.device_pool, device, set(device_names)), _owners(bm.host_pool, host, set(host_names)),
                             moves, len(s.running), preempted, frozenset(device_followed), frozenset(host_followed))
 
 

@@ -49,17 +49,17 @@ def step(bm, action) -> tuple:  # action() inside one step: the step's moves, wh
 
 
 def on_host_by_hand(bm, seq: Sequence, count: int) -> None:  # a swap-in's scene: the last count blocks on the host
-    seq.host_blocks = [bm.cpu.allocate() for _ in range(count)] + seq.host_blocks
+    seq.host_blocks = [bm.take_host() for _ in range(count)] + seq.host_blocks
     bm.release(seq, count)
 
 
 def counts(bm, seqs: list[Sequence], where: str) -> dict:  # each block's holders are its reference count
-    for name, pool, owners in (("device", bm.gpu, Counter(b for s in seqs for b in s.block_table.blocks)),
-                               ("host", bm.cpu, Counter(b for s in seqs for b in s.host_blocks))):
+    for name, pool, owners in (("device", bm.device_pool, Counter(b for s in seqs for b in s.block_table.blocks)),
+                               ("host", bm.host_pool, Counter(b for s in seqs for b in s.host_blocks))):
         for block in range(pool.num_blocks):
             expect(pool.ref_count(block) == owners[block], f"{where}: {name} block {block} has reference count "
                                                            f"{pool.ref_count(block)}, held by {owners[block]}")
-    return {f"{where}: device, host blocks free": [bm.gpu.num_free, bm.cpu.num_free]}
+    return {f"{where}: device, host blocks free": [bm.device_pool.num_free, bm.host_pool.num_free]}
 
 
 def positions(blocks: list, table: list) -> list:  # where each of blocks sits in table: what moved, whatever the ids
@@ -67,7 +67,7 @@ def positions(blocks: list, table: list) -> list:  # where each of blocks sits i
 
 
 # ---- swap ----------------------------------------------------------------------------------------
-@swap.check(2, "swap_out(seq) adds one (device, host) pair per block to self.moves.swap_out, in table order, lists "
+@swap.check(2, "swap_out(seq) plans one copy_out(device, host) per block, in table order, lists "
                "the hosts in seq.host_blocks, lets go of the device blocks (release); computed tokens stay")
 def swaps_out_a_whole_sequence(cls, rng: random.Random) -> dict:
     bm, a = scene(cls, n := rng.choice([rng.randint(2, 7) * BS, rng.randint(5, 30)]))  # a multiple of BS, or any
@@ -97,7 +97,7 @@ def swaps_out_the_tail(cls, rng: random.Random) -> dict:
 
 
 @swap.check(2, "swap_in(seq) takes a new device block (self.take()) for each host block, in order, appends it to "
-               "the table, adds (host, device) to self.moves.swap_in, and empties seq.host_blocks")
+               "the table, plans copy_in(host, device), and empties seq.host_blocks")
 def swaps_in_in_table_order(cls, rng: random.Random) -> dict:
     bm, a = scene(cls, rng.randint(2 * BS + 1, 6 * BS))
     on_host_by_hand(bm, a, count := rng.randint(2, len(a.block_table)))
@@ -126,26 +126,26 @@ def keeps_shared_blocks_with_their_other_holders(cls, rng: random.Random) -> dic
     return {**seen, "the sample's device, host blocks, swapped in": [len(child.block_table), len(child.host_blocks)]}
 
 
-@swap.check(1, "a host block that this step's swap-out writes must not be reused before the copy runs: hold it "
-               "(self.hold_host) when you allocate it; end_step lets go of the hold")
+@swap.check(1, "a host block that this step's swap-out writes must not be reused before the copy runs: plan the "
+               "copy with self.copy_out, which holds the host block until end_step")
 def holds_the_host_blocks_it_writes(cls, rng: random.Random) -> dict:
     a_blocks = rng.randint(2, 6)
     bm, a = scene(cls, a_blocks * BS - rng.randrange(BS), cpu=a_blocks)  # exactly room for a
     # kvlib's own drop: the same step gives up a's host copies (a recompute after all)
-    free = step(bm, lambda: (bm.swap_out(a), _block_manager().drop(bm, a), bm.cpu.num_free)[-1])[1]
+    free = step(bm, lambda: (bm.swap_out(a), _block_manager().drop(bm, a), bm.host_pool.num_free)[-1])[1]
     return {f"host blocks free after a's swap-out of {a_blocks} blocks and a drop in the same step": free,
-            "host blocks free after end_step": bm.cpu.num_free}
+            "host blocks free after end_step": bm.host_pool.num_free}
 
 
-@swap.check(1, "the copy back reads the host block in the step's last phase, after device-to-host copies: hold "
-               "it (self.hold_host) before you free it, so nothing else this step can write into it")
+@swap.check(1, "the copy back reads the host block in the step's last phase, after device-to-host copies: plan "
+               "it with self.copy_in, which holds the host block, before you release it")
 def holds_the_host_blocks_it_reads(cls, rng: random.Random) -> dict:
     bm, a = scene(cls, (count := rng.randint(2, 5)) * BS + rng.randrange(BS), cpu=count)
     on_host_by_hand(bm, a, count)
     hosts = list(a.host_blocks)
-    held = step(bm, lambda: (bm.swap_in(a), sum(1 for h in hosts if bm.cpu.ref_count(h) > 0))[-1])[1]
+    held = step(bm, lambda: (bm.swap_in(a), sum(1 for h in hosts if bm.host_pool.ref_count(h) > 0))[-1])[1]
     return {f"of {count} host blocks swapped in, those still held before end_step": held,
-            "host blocks free after end_step": bm.cpu.num_free}
+            "host blocks free after end_step": bm.host_pool.num_free}
 
 
 @swap.check(2, "host_blocks_needed(seqs, count) is exactly how many host blocks swap_out of each of seqs (its last "
@@ -160,10 +160,10 @@ def counts_the_host_blocks_a_swap_needs(cls, rng: random.Random) -> dict:
              f"blocks, count={count}"] = bm.host_blocks_needed(seqs, count)
     bm.fork(b, child := b.spawn_sample(1))
     for seq, count in ((a, rng.randint(1, 3)), (child, None), (c, None)):
-        needed, free = bm.host_blocks_needed([seq], count), bm.cpu.num_free
+        needed, free = bm.host_blocks_needed([seq], count), bm.host_pool.num_free
         step(bm, lambda: bm.swap_out(seq, count))
-        expect(free - bm.cpu.num_free == needed, f"host_blocks_needed([seq], {count}) said {needed}, but swap_out("
-                                                 f"seq, {count}) then took {free - bm.cpu.num_free} host blocks")
+        expect(free - bm.host_pool.num_free == needed, f"host_blocks_needed([seq], {count}) said {needed}, but swap_out("
+                                                 f"seq, {count}) then took {free - bm.host_pool.num_free} host blocks")
     return seen
 
 
@@ -178,10 +178,10 @@ def returns_the_computed_tokens_lost(cls, rng: random.Random) -> dict:
         before = [len(seq.block_table), seq.num_computed_tokens]
         seen[f"drop(seq, {count}) of {before[0]} blocks, {before[1]} of {n} tokens computed: returned, computed left, "
              f"blocks left"] = [step(bm, lambda: bm.drop(seq, count))[1], seq.num_computed_tokens, len(seq.block_table)]
-    return {**seen, "device blocks free at the end": bm.gpu.num_free}
+    return {**seen, "device blocks free at the end": bm.device_pool.num_free}
 
 
-@drop.check(2, "drop also lets go of every host copy (free_host each) and empties seq.host_blocks, before "
+@drop.check(2, "drop also lets go of every host copy (release_host each) and empties seq.host_blocks, before "
                "releasing device blocks: release counts the host blocks as computed tokens kept")
 def lets_go_of_host_copies(cls, rng: random.Random) -> dict:
     bm, a = scene(cls, rng.randint(3 * BS + 1, 6 * BS))
