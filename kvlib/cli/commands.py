@@ -1,4 +1,4 @@
-"""The ``kvlib`` command: demo, bench, grade, make-labs, make-kit, record-run."""
+"""The ``kvlib`` command: demo, serve, bench, grade, make-labs, make-kit, record-run."""
 from __future__ import annotations
 
 import argparse
@@ -8,13 +8,18 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-BENCHES = ("memory", "kernels", "swap", "preemption", "sharing", "scheduler", "engine")
+BENCHES = ("memory", "kernels", "swap", "preemption", "sharing", "scheduler", "engine", "serve")
 
 
 def _demo(args) -> int:
     from kvlib.cli.demo import DemoOptions, run_demo
     run_demo(DemoOptions(**{f.name: getattr(args, f.name) for f in fields(DemoOptions)}))
     return 0
+
+
+def _serve(args) -> int:
+    from kvlib.serve.command import run
+    return run(args)
 
 
 def _bench(args) -> int:
@@ -110,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         demo.add_argument(f"--{option.name.replace('_', '-')}", dest=option.name, type=type(option.default),
                           default=option.default, choices=choices, help=option.metadata["help"])
     demo.set_defaults(run=_demo)
+
+    from kvlib.serve import command as serve_command
+    serve = commands.add_parser("serve", help="serve a model over HTTP with OpenAI's API, with Prometheus metrics",
+                                description=serve_command.ABOUT, formatter_class=DescribedDefaults)
+    serve_command.add_arguments(serve)
+    serve.set_defaults(run=_serve)
 
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("name", choices=BENCHES + ("all",), help="which benchmark (all: each in turn)")

@@ -1,0 +1,162 @@
+"""The ASGI app: OpenAI's routes over one engine loop.
+
+A request is parsed and checked (a 400 in OpenAI's error shape if anything is wrong), submitted, and
+answered once the engine has taken it: so a prompt the engine refuses is a 400 too, even when
+streaming, since no byte of the stream has gone out yet. From then on, a client that disconnects
+aborts its request wherever it is (waiting, running, swapped): a task watches the connection for
+the whole life of the request, and the stream's own end aborts whatever still runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from kvlib.llm import LLM
+from kvlib.serve import responses
+from kvlib.serve.engine_loop import EngineLoop
+from kvlib.serve.generation import EngineFailure, Generation
+from kvlib.serve.prometheus import ServerMetrics
+from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
+from kvlib.serve.requests import ServedModel, chat_work, completion_work
+
+CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first; nobody reads it
+
+
+def build_app(llm: LLM, model_name: str) -> FastAPI:
+    """The server's app. Its lifespan starts the engine loop and stops it; ``app.state`` holds the loop and metrics."""
+    model = ServedModel.of(llm, model_name)
+    metrics = ServerMetrics(model_name)
+    loop = EngineLoop(llm, metrics)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="kvlib", description="An OpenAI-compatible server on kvlib's paged-KV engine",
+                  lifespan=lifespan)
+    app.state.engine_loop, app.state.metrics, app.state.model = loop, metrics, model
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return _error(str(exc.detail), exc.status_code, code="not_found" if exc.status_code == 404 else None)
+
+    @app.get("/health")
+    async def health():
+        if not loop.alive:
+            return _error("the engine loop is not running", 503)
+        if loop.last_error:
+            return _error(f"the last engine step failed: {loop.last_error}", 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": created,
+                                            "owned_by": "kvlib", "root": model.name,
+                                            "max_model_len": model.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, loop, model, CompletionRequest, completion_work, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, loop, model, ChatCompletionRequest, chat_work, chat=True)
+
+    return app
+
+
+def _error(message: str, status: int, param=None, code=None) -> JSONResponse:
+    return JSONResponse(responses.error_body(message, status, param, code), status_code=status)
+
+
+async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: type[SamplingFields],
+                 to_work: Callable, chat: bool) -> Response:
+    try:
+        body = parse_request(await request.body(), shape)
+        work = to_work(body, model)
+    except BadRequest as err:
+        return _error(err.message, err.status, err.param, err.code)
+    if not loop.alive:
+        return _error("the server is shutting down", 503)
+    gen = Generation(loop, work, model.tokenizer, "chatcmpl" if chat else "cmpl")
+    async with _abort_on_disconnect(request, gen):
+        refused = await gen.wait_accepted()
+    if refused is not None:
+        if refused.kind == "closed":
+            return Response(status_code=CLIENT_GONE)
+        return _error(refused.error, refused.status, "prompt" if refused.status == 400 else None)
+    if body.stream:
+        return StreamingResponse(_stream(request, gen, body, model.name, chat), media_type="text/event-stream")
+    try:
+        async with _abort_on_disconnect(request, gen):
+            async for _ in gen.updates():
+                pass
+    except EngineFailure as err:
+        return _error(str(err), err.status)
+    if any(not c.finished for c in gen.choices):
+        return Response(status_code=CLIENT_GONE)
+    build = responses.chat_completion if chat else responses.completion
+    return JSONResponse(build(gen, model.name, body.return_token_ids))
+
+
+async def _stream(request: Request, gen: Generation, body: SamplingFields, model_name: str, chat: bool):
+    """Server-sent events in OpenAI's chunk format; an engine failure is a last ``{"error": ...}`` event."""
+    ids = body.return_token_ids
+    try:
+        async with _abort_on_disconnect(request, gen):
+            if chat:
+                for index in range(len(gen.choices)):
+                    yield responses.sse(responses.chat_chunk(gen, model_name, index, {"role": "assistant", "content": ""},
+                                                             None, None))
+            async for changed in gen.updates():
+                for index in changed:
+                    choice = gen.choices[index]
+                    text, tokens = choice.take()
+                    if not (text or tokens or choice.finished):
+                        continue
+                    if chat:
+                        chunk = responses.chat_chunk(gen, model_name, index, {"content": text} if text else {},
+                                                     tokens if ids else None, choice.finish_reason)
+                    else:
+                        chunk = responses.completion_chunk(gen, model_name, index, text, tokens if ids else None,
+                                                           choice.finish_reason)
+                    yield responses.sse(chunk)
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield responses.sse(responses.usage_chunk(gen, model_name,
+                                                          "chat.completion.chunk" if chat else "text_completion"))
+    except EngineFailure as err:
+        yield responses.sse(responses.error_body(str(err), err.status))
+    finally:
+        gen.close()
+    yield responses.sse("[DONE]")
+
+
+@asynccontextmanager
+async def _abort_on_disconnect(request: Request, gen: Generation):
+    """While the block runs, a client that closes its connection closes ``gen``, which aborts its engine requests."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gen.close()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()

@@ -1,0 +1,226 @@
+"""The one thread that owns the engine: it adds and aborts requests between steps, steps, and hands out outputs.
+
+The engine is not thread-safe, and it need not be: every call into it happens on this thread. The
+HTTP side only puts commands in an inbox (add, abort, or a function to run between steps) and
+reads events from the queue each request brought. A request's events, in order: ``accepted`` (after
+the first step that follows its add, when the engine did not reject it), then one ``output`` per step
+that gave it tokens, the last one finished; or a single ``error`` (a rejection, or a step that raised).
+
+A step that raises fails every live request with that error (a 500 for the client, never a hang)
+and aborts them, so their blocks go back; the loop then waits for the next request.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from kvlib.llm import LLM
+from kvlib.outputs import RequestOutput
+from kvlib.config import SamplingParams
+
+logger = logging.getLogger("kvlib.serve")
+
+
+@dataclass(frozen=True)
+class EngineEvent:
+    kind: str  # "accepted", "output", "error"; "closed": the HTTP side closed the request itself
+    output: Optional[RequestOutput] = None
+    error: Optional[str] = None
+    status: int = 200  # for an error: 400 (the request's fault) or 500 (the engine's)
+
+
+Sink = Callable[[EngineEvent], None]  # called on the engine thread; must only hand the event over
+
+
+class LoopObserver:
+    """What the loop reports as it goes (``kvlib.serve.prometheus.ServerMetrics`` records it); by default nothing."""
+
+    def first_token(self, seconds: float) -> None: ...
+    def token_gap(self, seconds: float) -> None: ...
+    def finished(self, seconds: float, output: RequestOutput) -> None: ...
+    def engine_changed(self, llm: LLM) -> None: ...
+
+
+@dataclass
+class _Live:
+    """A request the loop holds: where its events go, and its timing as the server sees it."""
+
+    sink: Sink
+    submitted: float
+    last_token: Optional[float] = None
+    tokens: list[int] = field(default_factory=list)  # tokens seen so far, per sample
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM, observer: Optional[LoopObserver] = None):
+        self.llm = llm
+        self.observer = observer or LoopObserver()
+        self.last_error: Optional[str] = None  # the last step's failure, until a step succeeds again
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._live: dict[str, _Live] = {}
+        self._thread = threading.Thread(target=self._run, name="kvlib-engine-loop", daemon=True)
+
+    # ---- called from any thread ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        self._send(("add", request_id, prompt, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def call(self, fn: Callable[[LLM], object]) -> concurrent.futures.Future:
+        """Run ``fn(llm)`` on the engine thread between two steps (to inspect the engine safely)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("call", fn, future))
+        return future
+
+    def _send(self, command: tuple) -> None:
+        if not self.alive:
+            raise RuntimeError("the engine loop is not running; start the server first")
+        self._inbox.put(command)
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        self._observe_engine()
+        while not self._stopping:
+            self._wake.clear()
+            added = self._drain_inbox()
+            if not self._live:
+                self._wake.wait()
+                continue
+            try:
+                outputs = self.llm.engine.step()
+            except Exception as exc:  # noqa: BLE001 - any failure must reach the clients, not kill the loop
+                self._fail_all(exc)
+                continue
+            self.last_error = None
+            self._hand_out(outputs, added)
+            self._observe_engine()
+        self._fail_all(RuntimeError("the server is shutting down"), status=503)
+        self._refuse_inbox()
+
+    def _drain_inbox(self) -> list[str]:
+        added = []
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return added
+            kind = command[0]
+            if kind == "add":
+                if self._add(*command[1:]):
+                    added.append(command[1])
+            elif kind == "abort":
+                self._abort(command[1])
+            else:
+                self._call(*command[1:])
+
+    def _refuse_inbox(self) -> None:
+        """After the loop stopped: what is still in the inbox gets an answer, never a wait."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                command[4](EngineEvent("error", error="the server is shutting down", status=503))
+            elif command[0] == "call":
+                command[2].set_exception(RuntimeError("the engine loop stopped"))
+
+    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> bool:
+        try:
+            self.llm.engine.add_request(request_id, prompt, params)
+        except (TypeError, ValueError) as exc:
+            sink(EngineEvent("error", error=str(exc), status=400))
+            return False
+        except Exception as exc:  # noqa: BLE001
+            sink(EngineEvent("error", error=_describe(exc), status=500))
+            return False
+        self._live[request_id] = _Live(sink, time.perf_counter())
+        return True
+
+    def _abort(self, request_id: str) -> None:
+        if self._live.pop(request_id, None) is None:
+            return
+        self.llm.engine.abort_request(request_id)
+        self._observe_engine()
+
+    def _call(self, fn, future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(fn(self.llm))
+        except BaseException as exc:  # noqa: BLE001 - the caller's function; its error is the caller's
+            future.set_exception(exc)
+
+    def _hand_out(self, outputs: list[RequestOutput], added: list[str]) -> None:
+        now = time.perf_counter()
+        rejected = {out.request_id for out in outputs if out.rejected}
+        for request_id in added:
+            live = self._live.get(request_id)
+            if live is not None and request_id not in rejected:
+                live.sink(EngineEvent("accepted"))
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            if out.rejected:
+                del self._live[out.request_id]
+                live.sink(EngineEvent("error", error=out.error, status=400))
+                continue
+            self._time_tokens(live, out, now)
+            live.sink(EngineEvent("output", output=out))
+            if out.finished:
+                del self._live[out.request_id]
+                self.observer.finished(now - live.submitted, out)
+
+    def _time_tokens(self, live: _Live, out: RequestOutput, now: float) -> None:
+        counts = [len(s.token_ids) for s in out.samples]
+        if counts == live.tokens:
+            return
+        if live.last_token is None:
+            self.observer.first_token(now - live.submitted)
+        else:
+            self.observer.token_gap(now - live.last_token)
+        live.last_token, live.tokens = now, counts
+
+    def _observe_engine(self) -> None:
+        try:
+            self.observer.engine_changed(self.llm)
+        except Exception:  # noqa: BLE001 - a metrics failure must not stop serving
+            logger.exception("recording the engine's metrics failed")
+
+    def _fail_all(self, exc: BaseException, status: int = 500) -> None:
+        message = _describe(exc)
+        if status == 500:
+            self.last_error = message
+            logger.error("%s; failing %d live request(s)", message, len(self._live))
+        live, self._live = self._live, {}
+        for request_id, request in live.items():
+            request.sink(EngineEvent("error", error=message, status=status))
+            try:
+                self.llm.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - the engine already failed; its own error was reported
+                logger.exception("aborting %s after the engine failed raised too", request_id)
+        self._observe_engine()
+
+
+def _describe(exc: BaseException) -> str:
+    return f"the engine failed: {type(exc).__name__}: {exc}"

@@ -1,0 +1,149 @@
+"""A checked OpenAI request as the engine's work: prompts as token ids, one ``SamplingParams``, stop strings.
+
+Everything the server can check before the engine sees the request is checked here, so a bad
+request costs a 400 and nothing else: the model's name, the context length, ``n`` against the
+batch, sampling values, the prompt's tokens. What only the engine knows (a prompt that can never fit
+the KV pool) comes back from its next step as a rejection, and becomes a 400 too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from kvlib.config import MAX_SEED, SamplingParams
+from kvlib.llm import LLM
+from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, MAX_STOP_STRINGS, SamplingFields
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the server checks requests against: read once from the ``LLM`` it serves."""
+
+    name: str
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    tokenizer: object  # kvlib.tokenizer.Tokenizer, or None for a folder without tokenizer.json
+
+    @classmethod
+    def of(cls, llm: LLM, name: str) -> "ServedModel":
+        engine = llm.engine
+        return cls(name, engine.max_model_len, engine.config.max_num_seqs, engine.model_config.vocab_size,
+                   llm.tokenizer)
+
+
+@dataclass(frozen=True)
+class EngineWork:
+    prompts: list[list[int]]  # one engine request each; choice i * n + j is sample j of prompt i
+    params: SamplingParams
+    stop_strings: tuple[str, ...]
+
+
+def completion_work(request: CompletionRequest, model: ServedModel) -> EngineWork:
+    _check_model(request, model)
+    prompts = [_prompt_ids(p, model, f"prompt[{i}]" if _is_batch(request.prompt) else "prompt")
+               for i, p in enumerate(_prompt_list(request.prompt))]
+    return _work(request, prompts, request.max_tokens, model)
+
+
+def chat_work(request: ChatCompletionRequest, model: ServedModel) -> EngineWork:
+    _check_model(request, model)
+    if model.tokenizer is None or not model.tokenizer.chat_template:
+        raise BadRequest(f"the model {model.name!r} has no chat template, so it cannot serve chat completions; "
+                         f"use /v1/completions with a plain prompt", param="messages", code="no_chat_template")
+    messages = [{**m.model_dump(exclude_none=True), "content": _message_text(m.content, i)}
+                for i, m in enumerate(request.messages)]
+    try:
+        prompt = model.tokenizer.encode_chat(messages)
+    except Exception as err:  # a template may raise anything (raise_exception, a missing key)
+        raise BadRequest(f"the chat template refused these messages: {err}", param="messages") from None
+    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+    return _work(request, [_prompt_ids(prompt, model, "messages")], max_tokens, model)
+
+
+def _check_model(request: SamplingFields, model: ServedModel) -> None:
+    if request.model != model.name:
+        raise BadRequest(f"the model {request.model!r} is not served here; this server serves {model.name!r} "
+                         f"(GET /v1/models lists it)", param="model", code="model_not_found")
+
+
+def _is_batch(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def _prompt_list(prompt) -> list:
+    if _is_batch(prompt):
+        return list(prompt)
+    return [prompt]
+
+
+def _message_text(content, index: int) -> str:
+    """A message's text: a string, or OpenAI's list of parts of which kvlib reads the text ones."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise BadRequest(f"messages[{index}].content holds a {part.get('type')!r} part; kvlib serves text only",
+                             param=f"messages.{index}.content", code="unsupported_content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _prompt_ids(prompt, model: ServedModel, param: str) -> list[int]:
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise BadRequest(f"the model {model.name!r} has no tokenizer: send the prompt as a list of token ids",
+                             param=param, code="no_tokenizer")
+        try:
+            prompt = model.tokenizer.encode(prompt)
+        except Exception as err:  # the tokenizers library refuses a lone surrogate with a bare exception
+            raise BadRequest(f"{param} cannot be tokenized ({err})", param=param) from None
+    if not prompt:
+        raise BadRequest(f"{param} is empty: give at least one token", param=param, code="empty_prompt")
+    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
+    if bad:
+        raise BadRequest(f"{param} holds token id {bad[0]}, outside the model's vocabulary of {model.vocab_size} "
+                         f"(ids 0 to {model.vocab_size - 1})", param=param, code="invalid_token_id")
+    return list(prompt)
+
+
+def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optional[int], model: ServedModel) -> EngineWork:
+    longest = max(len(p) for p in prompts)
+    room = model.max_model_len - longest
+    if room < 1:
+        raise BadRequest(f"the prompt is {longest} tokens, and this model's context is {model.max_model_len}: "
+                         f"there is no room to generate; shorten the prompt", param="prompt",
+                         code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = room
+    if max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if longest + max_tokens > model.max_model_len:
+        raise BadRequest(f"this model's context is {model.max_model_len} tokens, but the prompt ({longest} tokens) "
+                         f"plus max_tokens ({max_tokens}) is {longest + max_tokens}; lower max_tokens to at most "
+                         f"{room} or shorten the prompt", param="max_tokens", code="context_length_exceeded")
+    if not 1 <= request.n <= model.max_num_seqs:
+        raise BadRequest(f"n must be from 1 to {model.max_num_seqs} (the server's max_num_seqs: every sample runs in "
+                         f"the batch at once), got {request.n}", param="n")
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise BadRequest(f"temperature must be from 0 (greedy) to {MAX_TEMPERATURE}, got {temperature}",
+                         param="temperature")
+    top_p = 1.0 if request.top_p is None else request.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if request.seed is not None and not 0 <= request.seed < MAX_SEED:
+        raise BadRequest(f"seed must be from 0 to 2**64 - 1, got {request.seed}", param="seed")
+    stops = request.stop_strings
+    if len(stops) > MAX_STOP_STRINGS or not all(stops):
+        raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {request.stop!r}", param="stop")
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=request.n,
+                                seed=request.seed, stop_token_ids=list(request.stop_token_ids or []),
+                                ignore_eos=request.ignore_eos)
+    except (TypeError, ValueError) as err:  # what SamplingParams checks beyond the ranges above
+        raise BadRequest(str(err)) from None
+    return EngineWork(prompts, params, tuple(stops))

@@ -1,0 +1,71 @@
+"""uvicorn around the app: in the foreground (``kvlib serve``), or in a background thread of this process.
+
+The background server is what the tests, ``kvlib bench serve`` and lesson 10 use: it binds its socket
+before it starts (port 0 picks a free one, so two never race for a port), and ``engine_loop.call``
+lets the caller inspect the engine safely between steps while it serves.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Optional
+
+import uvicorn
+
+from kvlib.llm import LLM
+from kvlib.serve.app import build_app
+from kvlib.serve.engine_loop import EngineLoop
+
+START_TIMEOUT_S = 30.0
+
+
+def run_server(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until interrupted (Ctrl-C), then stop the engine loop."""
+    uvicorn.run(build_app(llm, model_name), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+class BackgroundServer:
+    """``with BackgroundServer(llm, "default") as server:`` serves at ``server.url`` until the block ends."""
+
+    def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.app = build_app(llm, model_name)
+        self.model_name = model_name
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def engine_loop(self) -> EngineLoop:
+        return self.app.state.engine_loop
+
+    def start(self) -> "BackgroundServer":
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="kvlib-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start; see the log above")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(START_TIMEOUT_S)
+        self._socket.close()
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

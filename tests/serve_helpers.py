@@ -1,0 +1,43 @@
+"""What the server tests share: a model folder with a chat template, a scrape of /metrics, the pools' check."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvlib.core.invariants import check_invariants
+from kvlib.model.default import default_model_path
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def chat_model_folder(folder: Path) -> Path:
+    """The built-in model with a chat template beside it: a model that serves chat, with nothing to download."""
+    for path in default_model_path().iterdir():
+        if path.is_file():
+            shutil.copy(path, folder / path.name)
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return folder
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` by name (labels dropped: one model per server)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def pools_state(llm) -> dict:
+    """On the engine thread: the bookkeeping rules hold, and what is still held."""
+    check_invariants(llm.engine)
+    blocks = llm.engine.block_manager
+    return {"unfinished": llm.engine.has_unfinished_requests(),
+            "device_blocks_held": blocks.num_device_blocks - blocks.num_free_blocks,
+            "host_blocks_held": llm.engine.config.num_cpu_blocks - blocks.num_free_host_blocks}
+
+
+def settled_pools(server, timeout: float = 30.0) -> dict:
+    """The pools once the loop has handled every abort sent so far (the inbox is first in, first out)."""
+    return server.engine_loop.call(pools_state).result(timeout)
