@@ -117,11 +117,11 @@ def test_samples_each_draw_their_own_token_after_a_shared_prompt():
 
 
 @pytest.mark.parametrize("prompt, max_tokens, n, reason", [
-    (12, 4, 2, None),
+    (12, 5, 2, None),  # 16 positions hold K/V: the 17th token is sampled, never stored
     (13, 3, 1, "its prompt of 13 tokens needs 4 KV blocks of 4 tokens, more than the 3 the pool can ever "
                "admit; raise num_gpu_blocks or shorten the prompt"),
-    (12, 5, 1, "prompt (12 tokens) plus max_tokens (5) needs 5 KV blocks of 4 tokens but the pool has 4; "
-               "raise num_gpu_blocks or lower max_tokens"),
+    (12, 6, 1, "prompt (12 tokens) plus max_tokens (6), less the last token whose K/V is never stored, needs 5 KV "
+               "blocks of 4 tokens but the pool has 4; raise num_gpu_blocks or lower max_tokens"),
     (4, 1, 3, "its n=3 samples run as 3 sequences, more than max_num_seqs=2; raise max_num_seqs or lower n"),
 ])
 def test_why_never_names_the_limit_at_its_edge(prompt, max_tokens, n, reason):

@@ -522,3 +522,17 @@ def test_memory_stays_bounded_over_a_long_run(folder):
     summary = m.summary()
     assert summary["num_finished"] == 60 and summary["ttft_p50"] is not None
     assert "requests" not in summary and "steps" not in summary  # counters and percentiles, no history
+
+
+def test_admission_does_not_count_room_for_the_last_tokens_kv_which_is_never_stored(checkpoint):
+    """A prompt of 3 tokens and 2 new ones stores K/V for 4 positions: one block of 4, not two."""
+    path = checkpoint("llama-gqa")
+    tight = LLM(path, EngineConfig(block_size=4, num_gpu_blocks=1, watermark=0.0), verbose=False)
+    roomy = LLM(path, EngineConfig(block_size=4, num_gpu_blocks=16, watermark=0.0), verbose=False)
+    prompts, params = [[3, 4, 5], [3, 4, 5, 6], [3, 4, 5, 6]], [SamplingParams(max_tokens=2, ignore_eos=True),
+                                                                SamplingParams(max_tokens=1, ignore_eos=True),
+                                                                SamplingParams(max_tokens=2, ignore_eos=True)]
+    outs = tight.generate(prompts, params)
+    assert [o.finish_reason for o in outs] == ["length", "length", "rejected"]
+    assert "needs 2 KV blocks" in outs[2].error
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in roomy.generate(prompts[:2], params[:2])]

@@ -78,15 +78,16 @@ class Scheduler:
         """Why ``seq`` could never run in this pool, or None if it can."""
         bs, total, watermark = self.block_size, self.bm.num_device_blocks, self.bm.watermark_blocks
         prompt_blocks = blocks_for(len(seq.prompt_token_ids), bs)
-        full_blocks = blocks_for(len(seq.prompt_token_ids) + seq.params.max_tokens, bs)
+        # the last sampled token is never fed back, so its K/V is never computed or stored
+        full_blocks = blocks_for(len(seq.prompt_token_ids) + seq.params.max_tokens - 1, bs)
         if prompt_blocks > total - watermark:
             return (f"its prompt of {len(seq.prompt_token_ids)} tokens needs {prompt_blocks} KV blocks of "
                     f"{bs} tokens, more than the {total - watermark} the pool can ever admit; "
                     f"raise num_gpu_blocks or shorten the prompt")
         if full_blocks > total:
-            return (f"prompt ({len(seq.prompt_token_ids)} tokens) plus max_tokens ({seq.params.max_tokens}) needs "
-                    f"{full_blocks} KV blocks of {bs} tokens but the pool has {total}; "
-                    f"raise num_gpu_blocks or lower max_tokens")
+            return (f"prompt ({len(seq.prompt_token_ids)} tokens) plus max_tokens ({seq.params.max_tokens}), less "
+                    f"the last token whose K/V is never stored, needs {full_blocks} KV blocks of {bs} tokens but the "
+                    f"pool has {total}; raise num_gpu_blocks or lower max_tokens")
         if seq.params.n > self.config.max_num_seqs:
             return (f"its n={seq.params.n} samples run as {seq.params.n} sequences, more than max_num_seqs="
                     f"{self.config.max_num_seqs}; raise max_num_seqs or lower n")
