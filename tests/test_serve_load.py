@@ -1,0 +1,127 @@
+"""The server under load: many concurrent streaming clients through a pool far too small for them.
+
+Every request comes back whole and token-exact (greedy outputs do not depend on preemption),
+``/metrics`` shows the preemptions, and afterwards the pools hold nothing. A disconnect storm
+(clients closing mid-stream, or leaving before their first token) aborts every request it leaves
+behind, frees every block, and the server goes on serving. TTFT and stutter percentiles are
+printed (``pytest -s``) as the run measured them; no test judges a timing.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import openai
+import pytest
+
+from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib.metrics import percentile
+from kvlib.serve.server import BackgroundServer
+from serve_helpers import scrape, settled_pools
+
+NUM_CLIENTS = 64
+EMPTY = {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}
+
+
+def workload(count: int, seed: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) pairs of mixed lengths; the byte tokens of the built-in model."""
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 259) for _ in range(rng.randint(8, 40))], rng.randint(8, 24)) for _ in range(count)]
+
+
+@pytest.fixture(params=["swap", "recompute"])
+def server(request):
+    """16 blocks of 8 tokens: a handful of the 64 requests fit at once, so the rest wait, or are preempted."""
+    config = EngineConfig(block_size=8, num_gpu_blocks=16, num_cpu_blocks=64, preemption_mode=request.param,
+                          max_num_seqs=16)
+    with BackgroundServer(LLM("default", config, verbose=False), "default") as server:
+        yield server
+
+
+async def stream_one(client, prompt: list[int], max_tokens: int) -> dict:
+    start = time.perf_counter()
+    arrivals, tokens = [], []
+    stream = await client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    async for chunk in stream:
+        arrivals.append(time.perf_counter())
+        tokens += chunk.choices[0].token_ids
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return {"tokens": tokens, "ttft": arrivals[0] - start, "stutter": max(gaps, default=0.0)}
+
+
+def report(label: str, results: list[dict]) -> None:
+    for key in ("ttft", "stutter"):
+        values = sorted(r[key] for r in results)
+        print(f"{label} {key} ms: p50 {1e3 * percentile(values, 50):.1f}, p90 {1e3 * percentile(values, 90):.1f}, "
+              f"p99 {1e3 * percentile(values, 99):.1f}")
+
+
+def test_64_streaming_clients_through_a_tiny_pool_lose_nothing_and_leak_nothing(server):
+    requests = workload(NUM_CLIENTS, seed=1)
+    oracle = LLM("default", EngineConfig(block_size=8, num_gpu_blocks=512, max_num_seqs=NUM_CLIENTS), verbose=False)
+    expected = oracle.generate([p for p, _ in requests], [SamplingParams(max_tokens=m, ignore_eos=True)
+                                                         for _, m in requests])
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(stream_one(client, p, m) for p, m in requests))
+
+    results = asyncio.run(run())
+    assert [r["tokens"] for r in results] == [e.token_ids for e in expected]
+    metrics = scrape(server.url)
+    assert metrics["vllm:num_preemptions_total"] > 0
+    assert metrics["vllm:e2e_request_latency_seconds_count"] == NUM_CLIENTS
+    assert metrics["vllm:generation_tokens_total"] >= sum(m for _, m in requests)
+    assert (metrics["vllm:num_requests_running"], metrics["vllm:num_requests_waiting"],
+            metrics["vllm:num_requests_swapped"], metrics["vllm:gpu_cache_usage_perc"]) == (0, 0, 0, 0)
+    assert settled_pools(server) == EMPTY
+    report(f"{NUM_CLIENTS} clients, {metrics['vllm:num_preemptions_total']:.0f} preemptions:", results)
+
+
+async def leave_early(client, prompt: list[int], max_tokens: int, after_chunks: int) -> bool:
+    """Stream, then close the connection after ``after_chunks`` chunks; True if the request ended first."""
+    stream = await client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, stream=True,
+                                             extra_body={"ignore_eos": True})
+    seen = 0
+    async for chunk in stream:
+        seen += 1
+        if chunk.choices[0].finish_reason is not None:
+            return True
+        if seen >= after_chunks:
+            break
+    await stream.close()
+    return False
+
+
+async def leave_before_the_first_token(client, prompt: list[int], max_tokens: int) -> None:
+    """A whole (non-streamed) request whose client gives up while it waits."""
+    with pytest.raises(openai.APITimeoutError):
+        await client.with_options(timeout=0.05).completions.create(model="default", prompt=prompt,
+                                                                    max_tokens=max_tokens)
+
+
+def test_a_disconnect_storm_aborts_every_request_it_leaves_and_frees_every_block(server):
+    requests = workload(48, seed=2)
+    rng = random.Random(3)
+
+    async def storm():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            streamed = [leave_early(client, p, m, rng.randint(1, 6)) for p, m in requests[:40]]
+            waited = [leave_before_the_first_token(client, p, 64) for p, _ in requests[40:]]
+            return await asyncio.gather(*streamed, *waited)
+
+    ended = asyncio.run(storm())
+    state = settled_pools(server)
+    metrics = scrape(server.url)
+    assert state == EMPTY
+    assert metrics["kvlib:num_requests_aborted_total"] + sum(e is True for e in ended) == len(requests)
+    assert metrics["kvlib:num_requests_aborted_total"] >= 8  # at least the clients that never saw a token
+    assert metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        out = client.completions.create(model="default", prompt=requests[0][0], max_tokens=12, temperature=0,
+                                        extra_body={"return_token_ids": True, "ignore_eos": True})
+    expected = LLM("default", verbose=False).generate(requests[0][0], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert out.choices[0].token_ids == expected[0].token_ids
+    assert settled_pools(server) == EMPTY
