@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from kvlib.cli.bench.driver import ModelFreeEngine
-from kvlib.cli.bench.workloads import Request
+from kvlib.core.model_free import ModelFreeEngine
+from kvlib.core.model_free import Request
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.core.invariants import check_invariants
 from kvlib.core.sequence import Sequence, SequenceStatus

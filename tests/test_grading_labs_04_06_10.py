@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from test_labs_graded import cells_of
 
-from kvlib.cli.bench.driver import ModelFreeEngine
-from kvlib.cli.bench.workloads import Request
+from kvlib.core.model_free import ModelFreeEngine
+from kvlib.core.model_free import Request
 from kvlib.config import EngineConfig
 from kvlib.core.block_manager import BlockManager
 from kvlib.core.prefix_cache import HostPrefixTier

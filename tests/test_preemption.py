@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.core.preemption import LatestArrivalPolicy, PreemptionCostModel
-from kvlib.course.grading.serving import serve_checked
+from kvlib.core.invariants import serve_checked
 
 MODES = [("recompute", False), ("swap", False), ("recompute", True), ("swap", True)]
 

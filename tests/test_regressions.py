@@ -17,7 +17,7 @@ from kvlib.core.preemption import LatestArrivalPolicy
 from kvlib.core.prefix_cache import HostPrefixTier
 from kvlib.core.sequence import SequenceStatus, sample_stream_seed
 from kvlib.core.sharing import BlockSharing
-from kvlib.course.grading.serving import serve_checked
+from kvlib.core.invariants import serve_checked
 from kvlib.interfaces import check_implements
 
 

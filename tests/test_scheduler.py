@@ -1,8 +1,8 @@
 """The scheduler with no model: exact queues and block counts after each step (the model-free driver)."""
 import pytest
 
-from kvlib.cli.bench.driver import ModelFreeEngine
-from kvlib.cli.bench.workloads import Request
+from kvlib.core.model_free import ModelFreeEngine
+from kvlib.core.model_free import Request
 from kvlib.config import EngineConfig
 from kvlib.core.invariants import check_invariants
 from kvlib.core.sequence import SequenceStatus

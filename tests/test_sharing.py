@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.course.grading.serving import serve_checked
+from kvlib.core.invariants import serve_checked
 
 
 def run_steps(llm, prompts, params):

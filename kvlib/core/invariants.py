@@ -1,4 +1,5 @@
-"""Block bookkeeping invariants, checked after any engine step (tests call this after every one).
+"""Block bookkeeping invariants, checked after any engine step (tests and graders, with :func:`serve_checked`,
+after every one).
 
 For both pools: every block is free or owned, each block's reference count equals the number of
 sequences whose table holds it (plus one for the prefix cache or its host tier, if it names the
@@ -6,11 +7,19 @@ block), and free plus used equals the pool.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 
 class InvariantError(AssertionError):
     pass
+
+
+class StalledError(InvariantError):
+    """Requests were still unfinished after the steps allowed: a plugged piece's bug can stall the engine."""
+
+
+_ids = itertools.count()  # request ids unique across calls on one engine
 
 
 def _check_pool(name: str, allocator, owners: Counter) -> None:
@@ -46,3 +55,27 @@ def check_invariants(engine) -> None:
     if running_slots > s.config.max_num_seqs:
         raise InvariantError(f"{running_slots} sequences run (or will, once they fork), more than "
                              f"max_num_seqs={s.config.max_num_seqs}")
+
+
+def serve_checked(llm, prompts: list, params, max_steps: int) -> list:
+    """Serve ``prompts`` on ``llm`` (one SamplingParams for all, or one each) and return their outputs in order.
+
+    Raises :class:`InvariantError`, naming the step, as soon as a rule breaks, and :class:`StalledError`
+    if requests are still unfinished after ``max_steps`` steps.
+    """
+    per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    ids = [f"checked-{next(_ids)}" for _ in prompts]
+    for request_id, prompt, p in zip(ids, prompts, per_prompt):
+        llm.engine.add_request(request_id, prompt, p)
+    finished = {}
+    for step in range(max_steps):
+        if not llm.engine.has_unfinished_requests():
+            break
+        finished.update((out.request_id, out) for out in llm.engine.step() if out.finished)
+        try:
+            check_invariants(llm.engine)
+        except InvariantError as exc:
+            raise InvariantError(f"after engine step {step + 1}: {exc}") from exc
+    else:
+        raise StalledError(f"requests were still unfinished after {max_steps} engine steps")
+    return [finished[request_id] for request_id in ids]

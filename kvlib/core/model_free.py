@@ -1,7 +1,7 @@
 """The engine with the model taken out: the real scheduler and block manager, nothing else.
 
-Benchmarks of the bookkeeping (``kvlib bench scheduler``, ``kvlib bench sharing``) and the
-model-free scheduler tests drive the same ``Scheduler.schedule`` and ``Scheduler.postprocess``
+The core's tests, lab 04's grader and the bookkeeping benchmarks (``kvlib bench scheduler``,
+``kvlib bench sharing``) drive the same ``Scheduler.schedule`` and ``Scheduler.postprocess``
 the engine does. Every scheduled token counts as computed and every draw samples a placeholder
 token, so requests run exactly as long as they ask (as with ``ignore_eos``). Like ``LLM(...)``, it
 takes pieces as keyword arguments (``scheduler=``, ``block_manager=``, ``preemption_policy=`` ...)
@@ -11,10 +11,10 @@ records its metrics with the same calls.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
-from kvlib.cli.bench.workloads import Request
-from kvlib.config import EngineConfig
+from kvlib.config import EngineConfig, SamplingParams
 from kvlib.core.pieces import Pieces, build_core
 from kvlib.core.plan import SchedulerOutput, StepResult
 from kvlib.core.sequence import Sequence
@@ -22,6 +22,19 @@ from kvlib.metrics import EngineMetrics
 
 PLACEHOLDER_TOKEN = 0
 BLOCK_BYTES = 1  # no pool holds bytes: a block moved counts as one
+
+
+@dataclass
+class Request:
+    """One request of a synthetic workload: what it asks for and when it arrives."""
+
+    prompt: list[int]
+    max_tokens: int
+    n: int = 1
+    arrival: float = 0.0  # seconds after the start for timed runs, the engine step for model-free ones
+
+    def params(self, **extra) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, n=self.n, ignore_eos=True, **extra)
 
 
 class ModelFreeEngine:

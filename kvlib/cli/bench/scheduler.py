@@ -2,7 +2,7 @@
 
 The scheduler runs on the host between GPU steps, so its time is pure overhead. The benchmark
 drives the real :class:`~kvlib.core.scheduler.Scheduler` through decode steps of many running
-sequences with the model-free driver (``kvlib.cli.bench.driver``), which records every step
+sequences with the model-free driver (``kvlib.core.model_free``), which records every step
 through the same ``postprocess`` the engine uses, and reports milliseconds per step: the median
 over repeated runs of each run's mean. The model, sampling and tensor building are left out on
 purpose.
@@ -13,9 +13,9 @@ import argparse
 import statistics
 from typing import Optional
 
-from kvlib.cli.bench.driver import ModelFreeEngine
+from kvlib.core.model_free import ModelFreeEngine
 from kvlib.cli.bench.report import format_table
-from kvlib.cli.bench.workloads import Request
+from kvlib.core.model_free import Request
 from kvlib.config import EngineConfig
 
 

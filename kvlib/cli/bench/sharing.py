@@ -18,7 +18,7 @@ stream, so requests overlap in time and a computed prefix is there for the next 
 
 No model runs; everything else is the real engine's block accounting: kvlib's ``Scheduler`` and
 ``BlockManager`` (with its ``BlockAllocator``, ``PrefixCache`` and ``BlockSharing``), driven by
-``kvlib.cli.bench.driver``. After each step the scheduled tokens are
+``kvlib.core.model_free``. After each step the scheduled tokens are
 marked computed and their full blocks registered with the prefix cache, and each sequence that
 reached its end gets a placeholder token, until it has its drawn answer length (as with
 ``ignore_eos``). The device pool holds every sequence at once, so nothing is preempted and the
@@ -39,9 +39,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from kvlib.cli.bench.driver import ModelFreeEngine
+from kvlib.core.model_free import ModelFreeEngine, Request
 from kvlib.cli.bench.report import format_table
-from kvlib.cli.bench.workloads import Request, sharegpt_like_lengths
+from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.config import EngineConfig
 from kvlib.core.block_table import blocks_for
 

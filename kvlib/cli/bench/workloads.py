@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
-
-from kvlib.config import SamplingParams
 
 # Log-normal parameters (of the natural log of the length in tokens). They are chosen by hand to
 # resemble published ShareGPT statistics (prompt mean roughly 160-200 tokens, output mean roughly
@@ -34,16 +31,3 @@ def sharegpt_like_lengths(num_requests: int, seed: int = 0, max_len: int = 2048)
         output = min(max(1, round(rng.lognormvariate(math.log(OUTPUT_MEDIAN), OUTPUT_SIGMA))), max_len - prompt)
         lengths.append((prompt, output))
     return lengths
-
-
-@dataclass
-class Request:
-    """One request of a synthetic workload: what it asks for and when it arrives."""
-
-    prompt: list[int]
-    max_tokens: int
-    n: int = 1
-    arrival: float = 0.0  # seconds after the start for timed runs, the engine step for model-free ones
-
-    def params(self, **extra) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, n=self.n, ignore_eos=True, **extra)
