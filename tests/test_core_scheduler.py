@@ -14,6 +14,7 @@ from kvlib.core.model_free import ModelFreeEngine
 from kvlib.core.model_free import Request
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.core.invariants import check_invariants
+from kvlib.core.scheduler import Scheduler
 from kvlib.core.sequence import Sequence, SequenceStatus
 
 BS = 4
@@ -192,3 +193,33 @@ def test_forked_samples_hold_exactly_their_own_places_in_max_num_seqs():
     assert [s.status for s in e.requests["p"]] == [SequenceStatus.RUNNING] * 3
     assert e.requests["q"][0].status is SequenceStatus.RUNNING  # the fourth place
     assert e.requests["r"][0].status is SequenceStatus.WAITING and len(e.scheduler.running) == 4
+
+
+def test_paused_sequences_holding_blocks_give_them_up_when_nothing_else_can_run(monkeypatch):
+    """Partial preemption leaves recomputing sequences waiting with their heads on the device; here, at step 12,
+    three of them hold every block between them and none fits: the scheduler releases them all, and all finish."""
+    config = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=0, preemption_mode="swap", partial_preemption=True,
+                  max_num_batched_tokens=10, max_num_seqs=4)  # no host room: every swap falls back to recompute
+    requests = [Request([2, 2], 5, arrival=0), Request([2, 2, 4, 0, 4, 4, 1], 1, arrival=2),
+                Request([2], 10, arrival=3), Request([4, 0, 1, 3, 2], 6, n=2, arrival=4)]
+
+    def serve() -> tuple[ModelFreeEngine, int]:
+        e = engine(**config)
+        for i, request in enumerate(requests):
+            e.add(f"r{i}", request)
+        for step in range(60):
+            if not e.has_unfinished():
+                return e, step
+            e.step()
+            check_invariants(e)
+        return e, None
+
+    released = []
+    original = Scheduler._release_holders
+    monkeypatch.setattr(Scheduler, "_release_holders", lambda self, out: released.append(
+        sorted(s.request_id for s in self.waiting + self.swapped if s.block_table.blocks)) or original(self, out))
+    e, steps = serve()
+    assert steps is not None and released == [["r2", "r3", "r3"]]  # r3 and its second sample
+    assert [[len(s.output_token_ids) for s in e.requests[f"r{i}"]] for i in range(4)] == [[5], [1], [10], [6, 6]]
+    monkeypatch.setattr(Scheduler, "_release_holders", lambda self, out: None)
+    assert serve()[1] is None  # without it, the three wait for each other's blocks for ever
