@@ -1,10 +1,14 @@
 """User-facing configuration: how the engine is sized and how each request samples.
 
 Both are validated when they are built, so a bad value fails at once with a message that
-names the field, the value and what to use instead, rather than deep inside a step.
+names the field, the value and what to use instead, rather than deep inside a step. The engine
+keeps a checked ``copy()`` of each (the config when it is built, a request's parameters when the
+request is added): a value changed on the caller's object afterwards is checked again the next
+time that object is given, and never reaches what the engine already holds.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
@@ -17,6 +21,7 @@ DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 MAX_SEED = 2**64  # torch generators take 64-bit seeds
+MIN_TEMPERATURE = 2.0**-126  # the smallest normal float32 (about 1.2e-38): the sampler divides in float32
 
 
 def _require(condition: bool, message: str) -> None:
@@ -35,7 +40,8 @@ def is_integer(value) -> bool:
     return True
 
 
-def _is_number(value) -> bool:
+def is_number(value) -> bool:
+    """A finite real number (not a bool)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -80,7 +86,7 @@ class EngineConfig:
                  f"max_num_seqs must be a positive integer, got {self.max_num_seqs!r}")
         _require(is_integer(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens must be a positive integer, got {self.max_num_batched_tokens!r}")
-        _require(_is_number(self.watermark) and 0.0 <= self.watermark < 1.0,
+        _require(is_number(self.watermark) and 0.0 <= self.watermark < 1.0,
                  f"watermark is a fraction of the device pool in [0, 1), got {self.watermark!r}; try 0.01")
         _require(not self.host_prefix_cache or (self.enable_prefix_caching and self.num_cpu_blocks > 0),
                  "host_prefix_cache keeps evicted prefix blocks in the host pool: it needs enable_prefix_caching=True "
@@ -89,7 +95,7 @@ class EngineConfig:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        _require(_is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
+        _require(is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _require(self.max_model_len is None or (is_integer(self.max_model_len) and self.max_model_len >= 1),
                  f"max_model_len must be a positive integer or None, got {self.max_model_len!r}")
@@ -101,6 +107,10 @@ class EngineConfig:
                      "max_model_len", "seed", "metrics_history"):
             if getattr(self, name) is not None:
                 setattr(self, name, int(getattr(self, name)))
+
+    def copy(self) -> "EngineConfig":
+        """A copy checked again as if built now: what the engine keeps (``LLM`` and ``LLMEngine`` make one)."""
+        return dataclasses.replace(self)
 
 
 @dataclass
@@ -118,9 +128,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _require(is_integer(self.max_tokens) and self.max_tokens >= 1,
                  f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        _require(_is_number(self.temperature) and self.temperature >= 0.0,
-                 f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
-        _require(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _require(is_number(self.temperature) and (self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE),
+                 f"temperature must be a finite number >= 0: 0 (greedy) or at least {MIN_TEMPERATURE:.4g} (the "
+                 f"smallest normal float32, in which tokens are drawn), got {self.temperature!r}")
+        _require(is_number(self.top_p) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p!r}")
         _require(is_integer(self.n) and self.n >= 1, f"n must be a positive integer, got {self.n!r}")
         _require(self.seed is None or (is_integer(self.seed) and 0 <= self.seed < MAX_SEED),
                  f"seed must be None or an integer from 0 to 2**64 - 1, got {self.seed!r}")
@@ -131,6 +142,10 @@ class SamplingParams:
         self.max_tokens, self.n = int(self.max_tokens), int(self.n)
         self.seed = None if self.seed is None else int(self.seed)
         self.stop_token_ids = [operator.index(t) for t in self.stop_token_ids]
+
+    def copy(self) -> "SamplingParams":
+        """A copy checked again as if built now, with its own stop list: what the engine keeps of a request."""
+        return dataclasses.replace(self)
 
     @property
     def greedy(self) -> bool:

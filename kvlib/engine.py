@@ -3,6 +3,12 @@
 ``step()`` reads as the data path does: the scheduler plans (policy), the model runner carries
 out the block moves and runs the model, the scheduler records what came out, and the metrics
 record the step.
+
+A step that raises loses nothing: the outputs it had in hand come back from the next one. Where
+it raises while the block moves it planned are copied, or while their tokens are recorded, the
+books and the KV cache no longer agree and cannot be put back; the engine then refuses to go on
+(:class:`EngineStoppedError`, naming the cause and the recovery) rather than serve tokens from
+K/V never written.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from kvlib import interfaces
-from kvlib.config import EngineConfig, SamplingParams, is_integer
+from kvlib.config import EngineConfig, SamplingParams, is_integer, is_number
 from kvlib.core.pieces import Pieces, build_core
 from kvlib.core.plan import SchedulerOutput, StepResult
 from kvlib.core.sequence import Sequence, sample_stream_seed
@@ -23,9 +29,32 @@ from kvlib.model.loader import load_model
 from kvlib.outputs import RequestOutput, SampleOutput
 from kvlib.runner.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.runner.model_runner import ModelRunner
-from kvlib.tokenizer import Tokenizer
+from kvlib.tokenizer import Tokenizer, unicode_problem
 
 logger = logging.getLogger("kvlib")
+FACTORY_PIECES = {"allocator": "a class or factory, called with a pool's block count",
+                  "scheduler": "a Scheduler subclass", "block_manager": "a BlockManager subclass",
+                  "host_prefix_tier": "a class or factory, called with the host pool's allocator"}
+OBJECT_PIECES = ("preemption_policy", "attention_backend", "block_sharing", "oversubscription_detector")
+
+
+class EngineStoppedError(RuntimeError):
+    """A step stopped halfway through its block moves or its bookkeeping: this engine can serve no more."""
+
+
+def check_piece_kinds(pieces: dict) -> None:
+    """The pieces the engine builds for itself come as what builds them; the others come built."""
+    for name, what in FACTORY_PIECES.items():
+        piece = pieces.get(name)
+        if piece is not None and not callable(piece):
+            kind = type(piece).__name__
+            raise TypeError(f"{name} must be {what}, got an instance of {kind}; the engine builds its own, so "
+                            f"pass the class itself ({name}={kind})")
+    for name in OBJECT_PIECES:
+        piece = pieces.get(name)
+        if isinstance(piece, type):
+            raise TypeError(f"{name} must be an object, got the class {piece.__name__}; pass an instance "
+                            f"({name}={piece.__name__}())")
 
 
 class LLMEngine:
@@ -34,7 +63,11 @@ class LLMEngine:
 
     def __init__(self, model: Union[str, Path] = "default", config: Optional[EngineConfig] = None, *,
                  verbose: bool = True, **pieces):
-        self.config = config = config or EngineConfig()
+        if config is not None and not isinstance(config, EngineConfig):
+            hint = "; for a dict of its fields, pass EngineConfig(**that_dict)" if isinstance(config, dict) else ""
+            raise TypeError(f"config must be an EngineConfig, got a {type(config).__name__}{hint}")
+        self.config = config = (config or EngineConfig()).copy()  # the caller's object may change; this may not
+        check_piece_kinds(pieces)
         pieces = Pieces.from_keywords(**pieces).with_defaults(config)
         self.policy = pieces.preemption_policy
         self.oversubscription = pieces.oversubscription_detector
@@ -50,7 +83,8 @@ class LLMEngine:
             cost_model=self.cost_model)
         self.metrics = EngineMetrics(history=config.metrics_history)
         self._requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, sample 0 first
-        self._ready: list[RequestOutput] = []  # outputs the next step() hands out first (rejections)
+        self._ready: dict[str, RequestOutput] = {}  # outputs the next step() hands out first (rejections ...)
+        self._stopped: Optional[str] = None  # why the engine refuses to go on, once a step stopped halfway
         self._num_requests = 0
         self._step = 0
         if config.preemption_mode == "swap" and config.num_cpu_blocks == 0:
@@ -108,6 +142,7 @@ class LLMEngine:
         ``arrival_time`` (``time.perf_counter()`` seconds, default now) orders the queues: older first,
         and the newest running request is the default preemption victim.
         """
+        self._require_running()
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__} {request_id!r}")
         if self.has_request(request_id):
@@ -115,7 +150,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__} {params!r}")
-        now = time.perf_counter() if arrival_time is None else arrival_time
+        params = params.copy()  # checked again: it may have changed since it was built, and may change later
+        if arrival_time is not None and not is_number(arrival_time):
+            raise TypeError(f"arrival_time must be a finite number of seconds on time.perf_counter()'s clock, or "
+                            f"None for now; got {type(arrival_time).__name__} {arrival_time!r}")
+        now = time.perf_counter() if arrival_time is None else float(arrival_time)
         token_ids, error = self._encode(prompt)
         if error is None:
             error = self._check_length(token_ids, params)
@@ -124,25 +163,27 @@ class LLMEngine:
             error = self.scheduler.why_never(seq)
         if error is not None:
             self._reject(request_id, token_ids, params, error)
-            return
-        self._requests[request_id] = [seq]  # with n > 1, the other samples fork from it after its prefill
-        self.metrics.num_prompt_tokens += len(token_ids)
-        self.scheduler.add(seq)
+        else:
+            self.scheduler.add(seq)  # first: should it raise, nothing of the request is left behind
+            self._requests[request_id] = [seq]  # with n > 1, the other samples fork from it after its prefill
+            self.metrics.num_prompt_tokens += len(token_ids)
+        self._num_requests += 1
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request, a rejection not yet handed out, or a retained record."""
-        return (request_id in self._requests or request_id in self.metrics.requests
-                or any(r.request_id == request_id for r in self._ready))
+        return request_id in self._requests or request_id in self.metrics.requests or request_id in self._ready
 
     def _seed(self, params: SamplingParams) -> int:
-        """A request's seed: its own, or one derived from the engine's seed and the request's number."""
-        self._num_requests += 1
-        return params.seed if params.seed is not None else sample_stream_seed(self.config.seed, self._num_requests)
+        """A request's seed: its own, or one derived from the engine's seed and the number the request will have."""
+        return params.seed if params.seed is not None else sample_stream_seed(self.config.seed, self._num_requests + 1)
 
     def _encode(self, prompt) -> tuple[list[int], Optional[str]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 return [], "this model folder has no tokenizer.json: pass the prompt as a list of token ids"
+            problem = unicode_problem(prompt, "the prompt")
+            if problem:
+                return [], problem
             token_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             token_ids = list(prompt)
@@ -175,13 +216,13 @@ class LLMEngine:
         logger.warning("request %s rejected: %s", request_id, error)
         self.metrics.num_rejected += 1
         samples = [SampleOutput([], "" if self.tokenizer else None, "rejected") for _ in range(params.n)]
-        self._ready.append(RequestOutput(request_id, token_ids, samples, finished=True, error=error))
+        self._ready[request_id] = RequestOutput(request_id, token_ids, samples, finished=True, error=error)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state (waiting, mid-prefill, running, swapped, forked): every block it
         holds, on the device and the host, goes back, and no step returns anything more for it."""
         seqs = self._requests.pop(request_id, None)
-        self._ready = [r for r in self._ready if r.request_id != request_id]
+        self._ready.pop(request_id, None)
         if seqs is None:
             return
         for seq in seqs:
@@ -190,34 +231,76 @@ class LLMEngine:
         self.metrics.num_aborted += 1
 
     def hand_back(self, outputs: list[RequestOutput]) -> None:
-        """Outputs a caller stepped past but does not own (``LLM.generate``): the next ``step()`` returns them."""
-        self._ready[:0] = outputs
+        """Outputs a caller stepped past but does not own (``LLM.generate``): the next ``step()`` returns them
+        first; where one waiting there is of the same request, that newer one is kept."""
+        ready = {out.request_id: out for out in outputs}
+        ready.update(self._ready)
+        self._ready = ready
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._ready) or self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Plan, move blocks, run the model, record; return the requests that progressed (and rejections)."""
-        outputs, self._ready = self._ready, []
+        """Plan, move blocks, run the model, record; return the requests that progressed (and rejections).
+
+        Should it raise, the outputs it held (rejections, outputs handed back, those of requests it
+        had already recorded) come back from the next step."""
+        self._require_running()
+        outputs, self._ready = self._ready, {}
+        try:
+            self._run_step(outputs)
+        except BaseException:
+            self.hand_back(list(outputs.values()))
+            raise
+        return list(outputs.values())
+
+    def _run_step(self, outputs: dict[str, RequestOutput]) -> None:
         if not self.scheduler.has_unfinished():
-            return outputs
+            return
         start, plan = time.perf_counter(), SchedulerOutput()
         try:
             self.scheduler.schedule(plan)
         finally:  # what was planned is carried out and counted, even when a plugged-in piece raised midway
-            self.metrics.record_plan(plan, self.runner.spec.block_bytes, self.runner.execute_moves(plan.moves))
+            self._carry_out_moves(plan)
         if not plan.scheduled:
             raise RuntimeError(self._stall_message())
         forward_start = time.perf_counter()
         logits = self.runner.forward(plan)
         forward_seconds = time.perf_counter() - forward_start
         tokens = self.runner.sample(logits, plan)
-        result = self.scheduler.postprocess(plan, tokens, time.perf_counter())
+        result = self._or_stop("recording the tokens it sampled (some may be recorded, others not)",
+                               self.scheduler.postprocess, plan, tokens, time.perf_counter())
         self.metrics.record_result(plan, result, forward_seconds)
-        outputs += self._request_outputs(result)
+        outputs.update((out.request_id, out) for out in self._request_outputs(result))
         self._record_step(plan, start)
-        return outputs
+        warning = self.oversubscription.observe(self.metrics)
+        if warning:
+            logger.warning(warning)
+
+    def _carry_out_moves(self, plan: SchedulerOutput) -> None:
+        """The plan's block moves, which the block manager has already booked, and their count in the metrics."""
+        seconds = 0.0
+        try:
+            seconds = self._or_stop("copying the KV blocks its plan moved (the block manager had booked the moves)",
+                                    self.runner.execute_moves, plan.moves)
+        finally:
+            self.metrics.record_plan(plan, self.runner.spec.block_bytes, seconds)
+
+    def _or_stop(self, doing: str, call, *args):
+        """``call(*args)``, a part of the step that cannot be undone once begun: should it raise, the engine stops."""
+        try:
+            return call(*args)
+        except BaseException as err:
+            cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+            self._stopped = (f"the engine stopped: step {self._step + 1} raised {cause} while {doing}. Its KV cache "
+                             f"and its books no longer agree, and serving on would give wrong tokens: build a new "
+                             f"LLM (or LLMEngine) to go on; the requests still in this one cannot finish")
+            raise
+
+    def _require_running(self) -> None:
+        if self._stopped is not None:
+            raise EngineStoppedError(self._stopped)
 
     def _request_outputs(self, result: StepResult) -> list[RequestOutput]:
         for child in result.forked:
@@ -226,9 +309,6 @@ class LLMEngine:
         for out in progressed:
             if out.finished:
                 self.metrics.record_finished(out.request_id, self._requests.pop(out.request_id))
-        warning = self.oversubscription.observe(self.metrics)
-        if warning:
-            logger.warning(warning)
         return progressed
 
     def _request_output(self, request_id: str) -> RequestOutput:

@@ -43,6 +43,8 @@ class LLM:
                  progress: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order, rejected ones included.
 
+        ``prompts`` is one prompt (a string, or a list or tuple of token ids) or a list of prompts.
+
         Requests added with ``engine.add_request`` keep their place: their outputs from the steps
         this call runs come back from the next ``engine.step()``. Should anything raise, this call's
         own requests are aborted, so the ``LLM`` stays usable.
@@ -97,8 +99,9 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_integer(prompts[0])):
-        return [prompts]  # one prompt: a string, or a list of token ids
+    """One prompt (a string, or a list or tuple of token ids) or a list or tuple of prompts, as a list of prompts."""
+    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integer(prompts[0])):
+        return [prompts]
     if not isinstance(prompts, (list, tuple)):
         hint = " (for a numpy array or tensor of token ids, pass .tolist())" if hasattr(prompts, "tolist") else ""
         raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got "

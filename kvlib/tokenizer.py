@@ -45,6 +45,7 @@ class Tokenizer:
         return cls(path, template, special, source)
 
     def encode(self, text: str) -> list[int]:
+        _require_unicode(text, "the text")
         return self._tok.encode(text).ids
 
     def decode(self, token_ids: list[int]) -> str:
@@ -64,8 +65,27 @@ class Tokenizer:
 
     def encode_chat(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of :meth:`apply_chat_template`; the template writes any BOS itself, so none is added."""
-        return self._tok.encode(self.apply_chat_template(messages, add_generation_prompt),
-                                add_special_tokens=False).ids
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        _require_unicode(text, "the conversation")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def unicode_problem(text: str, what: str) -> Optional[str]:
+    """Why ``text`` cannot be tokenized, or None: a lone surrogate (from ``errors="surrogateescape"`` or a JSON
+    ``"\\ud800"`` escape) is no character, and UTF-8, which the tokenizer reads, cannot hold it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"{what} holds a lone surrogate {text[err.start]!r} at character {err.start}, which is not a "
+                f"Unicode character and cannot be tokenized; repair the text, e.g. "
+                f"text.encode('utf-8', 'replace').decode('utf-8'), or pass token ids")
+    return None
+
+
+def _require_unicode(text: str, what: str) -> None:
+    problem = unicode_problem(text, what)
+    if problem:
+        raise ValueError(problem)
 
 
 def _chat_template(config: dict) -> Optional[str]:

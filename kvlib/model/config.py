@@ -1,4 +1,5 @@
-"""The architecture facts kvlib needs, read from a Hugging Face ``config.json``.
+"""The architecture facts kvlib needs, read from a Hugging Face ``config.json`` (and the end-of-sequence
+ids of ``generation_config.json``, where the folder has one).
 
 Every key that changes the model's math is either implemented or refused here by name: a
 feature silently ignored would serve wrong tokens without a word.
@@ -53,7 +54,7 @@ class ModelConfig:
         _refuse_unimplemented(raw, source)
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-        eos = raw.get("eos_token_id")
+        eos = _eos_token_ids(raw.get("eos_token_id"), source)
         heads = raw["num_attention_heads"]
         llama_bias = model_type == "llama" and bool(raw.get("attention_bias", False))  # q, k, v and o, as transformers
         return cls(
@@ -72,7 +73,7 @@ class ModelConfig:
             o_proj_bias=llama_bias,
             mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            eos_token_ids=eos,
             bos_token_id=raw.get("bos_token_id"),
             model_type=model_type,
             sliding_window=raw.get("sliding_window") if model_type == "mistral" else None,
@@ -85,7 +86,21 @@ class ModelConfig:
             raise FileNotFoundError(
                 f"{folder} has no config.json: pass a Hugging Face model folder (config.json, *.safetensors, "
                 f"optionally tokenizer.json) or \"default\" for the built-in model")
-        return cls.from_dict(read_json_object(path), source=str(path))
+        config = cls.from_dict(read_json_object(path), source=str(path))
+        generation = Path(folder) / "generation_config.json"
+        if generation.is_file():  # as transformers: its end ids, where it names them, replace config.json's
+            raw = read_json_object(generation)
+            if raw.get("eos_token_id") is not None:
+                config.eos_token_ids = _eos_token_ids(raw["eos_token_id"], str(generation))
+        return config
+
+
+def _eos_token_ids(value, source: str) -> list[int]:
+    """``eos_token_id`` as a list: absent, one id, or a list of them (instruct models list their end of turn)."""
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise CheckpointError(f"{source}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 def read_json_object(path: Path) -> dict:

@@ -23,14 +23,27 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     ranked, order = probs.sort(dim=-1, descending=True)
     before = ranked.cumsum(-1) - ranked
     limit = top_p.masked_fill(top_p >= 1.0, float("inf"))[:, None]
-    return torch.zeros_like(probs).scatter_(-1, order, ranked.masked_fill_(before >= limit, 0.0))
+    cut = before >= limit
+    cut[:, 0] = False  # the top token stays even when top_p is so small that it is 0 in float32
+    return torch.zeros_like(probs).scatter_(-1, order, ranked.masked_fill_(cut, 0.0))
+
+
+def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``logits / temperature`` per row, in float32; a row whose quotient would overflow (a temperature near the
+    smallest float32) is shifted by its maximum first, so its top token gets 0 rather than inf, and inf - inf
+    never makes the softmax NaN. Other rows are divided as they are, so their draws keep every bit."""
+    logits, temperature = logits.float(), temperature[:, None]
+    scaled = logits / temperature
+    overflows = ~scaled.isfinite().all(dim=-1, keepdim=True)  # decided on the device: no sync
+    shifted = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    return torch.where(overflows, shifted, scaled)
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor,
          cut: bool) -> torch.Tensor:
     """One token per row of ``logits`` ``[rows, vocab]``: the race of ``probs / noise``, ``noise`` being Exp(1)
     ``[rows, vocab]`` (``cut``: some row has ``top_p < 1``)."""
-    probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
+    probs = tempered(logits, temperature).softmax(dim=-1)
     if cut:
         probs = top_p_filter(probs, top_p)
     return (probs / noise).argmax(dim=-1)
