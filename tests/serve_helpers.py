@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -24,9 +25,24 @@ def chat_model_folder(folder: Path) -> Path:
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Every sample of ``/metrics`` by name (labels dropped: one model per server)."""
-    text = httpx.get(f"{url}/metrics").text
-    return {sample.name: sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+    """Every sample of ``/metrics`` by name, summed over its labels (one model per server; finish reasons add up)."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return values
+
+
+def ended_requests(url: str, expected: int, timeout: float = 60.0) -> dict[str, float]:
+    """``/metrics`` once ``expected`` requests have ended (finished or aborted): a client's close reaches the
+    server a moment after the client returns. ``timeout`` only guards against a hang."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape(url)
+        ended = values.get("kvlib:num_requests_aborted_total", 0) + values.get("vllm:request_success_total", 0)
+        if ended >= expected or time.monotonic() > deadline:
+            return values
+        time.sleep(0.01)
 
 
 def pools_state(llm) -> dict:

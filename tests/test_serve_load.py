@@ -12,13 +12,14 @@ import asyncio
 import random
 import time
 
+import httpx
 import openai
 import pytest
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.metrics import percentile
 from kvlib.serve.server import BackgroundServer
-from serve_helpers import scrape, settled_pools
+from serve_helpers import ended_requests, scrape, settled_pools
 
 NUM_CLIENTS = 64
 EMPTY = {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}
@@ -81,25 +82,20 @@ def test_64_streaming_clients_through_a_tiny_pool_lose_nothing_and_leak_nothing(
 
 
 async def leave_early(client, prompt: list[int], max_tokens: int, after_chunks: int) -> bool:
-    """Stream, then close the connection after ``after_chunks`` chunks; True if the request ended first."""
+    """Stream, then close the connection after ``after_chunks`` chunks (0: as soon as the server has taken
+    the request, before its first token); True if the client saw the request end first."""
     stream = await client.completions.create(model="default", prompt=prompt, max_tokens=max_tokens, stream=True,
                                              extra_body={"ignore_eos": True})
     seen = 0
-    async for chunk in stream:
-        seen += 1
-        if chunk.choices[0].finish_reason is not None:
-            return True
-        if seen >= after_chunks:
-            break
+    if after_chunks:
+        async for chunk in stream:
+            seen += 1
+            if chunk.choices[0].finish_reason is not None:
+                return True
+            if seen >= after_chunks:
+                break
     await stream.close()
     return False
-
-
-async def leave_before_the_first_token(client, prompt: list[int], max_tokens: int) -> None:
-    """A whole (non-streamed) request whose client gives up while it waits."""
-    with pytest.raises(openai.APITimeoutError):
-        await client.with_options(timeout=0.05).completions.create(model="default", prompt=prompt,
-                                                                    max_tokens=max_tokens)
 
 
 def test_a_disconnect_storm_aborts_every_request_it_leaves_and_frees_every_block(server):
@@ -108,16 +104,17 @@ def test_a_disconnect_storm_aborts_every_request_it_leaves_and_frees_every_block
 
     async def storm():
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
-            streamed = [leave_early(client, p, m, rng.randint(1, 6)) for p, m in requests[:40]]
-            waited = [leave_before_the_first_token(client, p, 64) for p, _ in requests[40:]]
-            return await asyncio.gather(*streamed, *waited)
+            return await asyncio.gather(*(leave_early(client, p, m, 0 if i < 8 else rng.randint(1, 6))
+                                          for i, (p, m) in enumerate(requests)))
 
     ended = asyncio.run(storm())
-    state = settled_pools(server)
-    metrics = scrape(server.url)
-    assert state == EMPTY
-    assert metrics["kvlib:num_requests_aborted_total"] + sum(e is True for e in ended) == len(requests)
-    assert metrics["kvlib:num_requests_aborted_total"] >= 8  # at least the clients that never saw a token
+    metrics = ended_requests(server.url, len(requests))
+    assert settled_pools(server) == EMPTY
+    # each request ended in the engine one way: aborted, or finished before its client's close arrived
+    finished = metrics.get("vllm:request_success_total", 0)
+    assert metrics["kvlib:num_requests_aborted_total"] + finished == len(requests)
+    assert finished >= sum(ended)
+    assert metrics["kvlib:num_requests_aborted_total"] >= 8  # at least those closed before their first token
     assert metrics["vllm:num_requests_running"] == metrics["vllm:num_requests_waiting"] == 0
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
         out = client.completions.create(model="default", prompt=requests[0][0], max_tokens=12, temperature=0,
@@ -125,3 +122,21 @@ def test_a_disconnect_storm_aborts_every_request_it_leaves_and_frees_every_block
     expected = LLM("default", verbose=False).generate(requests[0][0], SamplingParams(max_tokens=12, ignore_eos=True))
     assert out.choices[0].token_ids == expected[0].token_ids
     assert settled_pools(server) == EMPTY
+
+
+def test_a_client_that_leaves_a_whole_request_while_it_runs_aborts_it(server):
+    """Not streamed: the server notices the closed connection while it generates, not only when it would reply."""
+    async def leave_while_running():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            reply = asyncio.create_task(client.post("/v1/completions", json={
+                "model": "default", "prompt": [5, 6, 7], "max_tokens": 120, "ignore_eos": True}))
+            while scrape(server.url)["vllm:num_requests_running"] == 0:
+                await asyncio.sleep(0.005)
+            reply.cancel()  # closes the connection mid-request
+            with pytest.raises(asyncio.CancelledError):
+                await reply
+
+    asyncio.run(leave_while_running())
+    metrics = ended_requests(server.url, 1)
+    assert settled_pools(server) == EMPTY
+    assert (metrics["kvlib:num_requests_aborted_total"], metrics.get("vllm:request_success_total", 0)) == (1, 0)
