@@ -24,7 +24,7 @@ from test_exercises import exercises, fill_in, missed
 
 from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
 from kvlib.course.grading.execute import execute
-from kvlib.course.timing import decide, median_interval
+from kvlib.course.timing import TOO_CLOSE, decide, median_interval, settled
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 STATE = "LESSON-STATE "
@@ -111,138 +111,9 @@ def printed_line(printed: str, starts: str) -> str:
     return lines[0]
 
 
-# ---- lesson 06 ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def lesson06_runs():
-    return run_twice(LESSON_06)
-
-
-def test_06_verdicts_hold_on_a_second_run(lesson06_runs):
-    first, second = lesson06_runs
-    assert len(first["holds"]) >= 8
-    assert_same_verdicts(*lesson06_runs)
-
-
-def test_06_exercises_pass_with_the_answers_shown(lesson06_runs):
-    answered = lesson06_runs[1]
-    assert answered["exercises"] >= 1 and not answered["exercises missed"], answered["exercises missed"]
-
-
-# ---- lesson 07 ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def lesson07_runs():
-    return run_twice(LESSON_07)
-
-
-@pytest.fixture(scope="module")
-def lesson07(lesson07_runs):
-    return as_tuple(lesson07_runs[0])
-
-
-def test_07_verdicts_hold_on_a_second_run(lesson07_runs):
-    assert_same_verdicts(*lesson07_runs)
-
-
-def test_07_exercises_pass_with_the_answers_shown(lesson07_runs):
-    answered = lesson07_runs[1]
-    assert answered["exercises"] >= 3 and not answered["exercises missed"], answered["exercises missed"]
-
-
 def between(rounds: dict, swap: str, recompute: str) -> str:
     """The cheaper option where the paired rounds decide it, as the lesson names it."""
     return decide({"swap": rounds[swap], "recompute": rounds[recompute]}) or "too close to call"
-
-
-def test_07_the_measured_winner_is_decided_by_the_paired_rounds(lesson07):
-    verdicts, evidence, _ = lesson07
-    victims = evidence["this machine"]["victims"]
-    assert verdicts["measured cheaper"] == {
-        str(v["num_tokens"]): between(v["rounds"], f"{v['num_tokens']}: step, then swap",
-                                      f"{v['num_tokens']}: step with the recompute") for v in victims}
-    for v in victims:
-        assert v["recompute_seconds"] is None or v["recompute_seconds"] > 0, "a measured cost is never negative"
-
-
-def test_07_the_model_winner_is_the_measured_models_choice(lesson07):
-    verdicts, evidence, printed = lesson07
-    here, batch = evidence["this machine"], evidence["this machine"]["batch"]
-    cost = cost_of(here)
-    model = {str(v["num_tokens"]): cost.choose(v["num_blocks"], here["block_bytes"], v["num_tokens"], batch)
-             for v in here["victims"]}
-    assert verdicts["model cheaper"] == model
-    assert verdicts["model agrees with measurement"] == (model == verdicts["measured cheaper"])
-    same = sum(model[n] == verdicts["measured cheaper"][n] for n in model)
-    assert f"it picks the measured winner at {same} of {len(model)} lengths" in printed
-
-
-def test_07_each_machines_recompute_range_and_its_sentence(lesson07):
-    verdicts, evidence, printed = lesson07
-    for machine, entry in evidence["machines"].items():
-        cost, batch = cost_of(entry), evidence["this machine"]["batch"]
-        recomputed = [b * BLOCK for b in range(1, LIMIT_07 // BLOCK + 1)
-                      if cost.choose(b, entry["block_bytes"], b * BLOCK, batch) == "recompute"]
-        expected = [recomputed[0], recomputed[-1]] if recomputed else None
-        assert verdicts["recompute range"][machine] == expected, machine
-        line = printed_line(printed, f"{machine}: ")
-        if expected is None:
-            assert "swap is cheaper for every victim" in line
-        elif expected[1] < LIMIT_07:
-            assert f"recompute from {expected[0]:,} to {expected[1]:,} tokens, swap beyond" in line
-
-
-def test_07_auto_did_what_its_prices_predicted(lesson07):
-    verdicts, _, printed = lesson07
-    for label, run in verdicts["auto"].items():
-        assert run["swapped"] + run["recomputed"] == run["preemptions"] > 0
-        if run["predicted"] == "swap":
-            assert run["recomputed"] == run["fallbacks"], label
-        elif run["predicted"] == "recompute":
-            assert run["swapped"] == 0, label
-        chose_recompute = run["recomputed"] - run["fallbacks"]
-        chose_swap = run["swapped"] + run["fallbacks"]
-        assert f"{label}: auto chose swap {chose_swap} times and recompute {chose_recompute} times" in printed
-
-
-def test_07_mistakes_conclude_from_their_paired_rounds(lesson07):
-    verdicts, evidence, _ = lesson07
-    copies = evidence["block by block"]
-    for way in ("block by block", "batched"):
-        assert verdicts[f"{way} against recompute"] == {
-            str(b): between(copies["rounds"], f"{b}: {way}", "step with the recompute") for b in copies["block sizes"]}
-    own = evidence["own pass"]
-    expected = {str(n): decide({way: own["rounds"][f"{n}: {way}"] for way in ("in the batch", "a pass of its own")})
-                or "too close to call" for n in own["lengths"]}
-    assert verdicts["own pass cheaper step"] == expected
-    assert verdicts["own pass overcharges here"] == all(v == "in the batch" for v in expected.values())
-    rounds, lengths = evidence["per token"]["rounds"], evidence["per token"]["lengths"]
-    per_token = {n: [(w - a) / n for w, a in zip(rounds[str(n)], rounds["step alone"])] for n in lengths}
-    cheapest = min(lengths, key=lambda n: statistics.median(per_token[n]))
-    longest = lengths[-1]
-    assert verdicts["per-token recompute grows"] == (
-        decide({"cheapest": per_token[cheapest], "longest": per_token[longest]}) == "cheapest")
-    low = 1e6 * median_interval(per_token[longest])[0]
-    assert verdicts["without attention undercharges the longest"] == (
-        evidence["per token"]["without attention us/token"] < low)
-
-
-# ---- lesson 09 ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def lesson09_runs():
-    return run_twice(LESSON_09)
-
-
-@pytest.fixture(scope="module")
-def lesson09(lesson09_runs):
-    return as_tuple(lesson09_runs[0])
-
-
-def test_09_verdicts_hold_on_a_second_run(lesson09_runs):
-    assert_same_verdicts(*lesson09_runs)
-
-
-def test_09_exercises_pass_with_the_answers_shown(lesson09_runs):
-    answered = lesson09_runs[1]
-    assert answered["exercises"] >= 2 and not answered["exercises missed"], answered["exercises missed"]
 
 
 def returning_prices(cost: PreemptionCostModel, context: int, block_bytes: int) -> tuple[float, float]:
@@ -257,86 +128,182 @@ def walk_through(evidence: dict) -> dict:
     return {(r["mode"], r["length"]): r for r in evidence["walk-through"]}
 
 
-TOO_CLOSE_09 = "too close to call here"
+class LessonRuns:
+    """A timed lesson run twice (the second time with every exercise answered): its verdicts must not change.
+
+    Each lesson is a class, so the suite's workers (``--dist loadscope``) run the lessons side by side."""
+
+    NAME: str
+    MIN_EXERCISES: int
+    MIN_VERDICTS: int = 1
+
+    @pytest.fixture(scope="class")
+    def runs(self) -> tuple[dict, dict]:
+        return run_twice(self.NAME)
+
+    def test_verdicts_hold_on_a_second_run(self, runs):
+        assert len(runs[0]["holds"]) >= self.MIN_VERDICTS
+        assert_same_verdicts(*runs)
+
+    def test_exercises_pass_with_the_answers_shown(self, runs):
+        answered = runs[1]
+        assert answered["exercises"] >= self.MIN_EXERCISES and not answered["exercises missed"], \
+            answered["exercises missed"]
 
 
-def settled_09(ratios: list[float], above: str, below: str) -> str:
-    """Lesson 09's rule for its engine rounds: the median paired ratio 1.25 or more away from 1, else too close."""
-    middle = statistics.median(ratios)
-    return above if middle >= 1.25 else below if middle <= 1 / 1.25 else TOO_CLOSE_09
+class TestLesson06(LessonRuns):
+    NAME, MIN_EXERCISES, MIN_VERDICTS = LESSON_06, 1, 8
 
 
-def test_09_the_cheaper_returning_turn_timed_in_the_engine_and_by_the_model(lesson09):
-    verdicts, evidence, printed = lesson09
-    assert verdicts["timed cheaper"] == {str(t["context"]): decide(t["rounds"]) or TOO_CLOSE_09
-                                         for t in evidence["returning"]}
-    assert all(len(t["rounds"]["recompute"]) >= 7 for t in evidence["returning"])  # paired rounds, not one timing
-    runs = walk_through(evidence)
-    lengths = sorted({n for _, n in runs})
-    assert verdicts["engine cheaper"] == {
-        str(n): settled_09([r / h for r, h in zip(runs["no prefix caching", n]["ttfts"], runs["host tier", n]["ttfts"])],
-                           "copy back", "recompute") for n in lengths}
-    here = evidence["this machine"]
-    model = {str(n): "copy back" if returning_prices(cost_of(here), n, here["block_bytes"])[1]
-             < returning_prices(cost_of(here), n, here["block_bytes"])[0] else "recompute" for n in lengths}
-    assert verdicts["model cheaper"] == model
-    for label in ("model", "timed", "engine"):
-        assert printed_line(printed, f"{label:6s} cheaper: ") == f"{label:6s} cheaper: " + ", ".join(
-            f"{n}: {v}" for n, v in verdicts[f"{label} cheaper"].items())
+class TestLesson07(LessonRuns):
+    NAME, MIN_EXERCISES = LESSON_07, 3
+
+    @pytest.fixture(scope="class")
+    def lesson07(self, runs):
+        return as_tuple(runs[0])
+
+    def test_the_measured_winner_is_decided_by_the_paired_rounds(self, lesson07):
+        verdicts, evidence, _ = lesson07
+        victims = evidence["this machine"]["victims"]
+        assert verdicts["measured cheaper"] == {
+            str(v["num_tokens"]): between(v["rounds"], f"{v['num_tokens']}: step, then swap",
+                                          f"{v['num_tokens']}: step with the recompute") for v in victims}
+        for v in victims:
+            assert v["recompute_seconds"] is None or v["recompute_seconds"] > 0, "a measured cost is never negative"
+
+    def test_the_model_winner_is_the_measured_models_choice(self, lesson07):
+        verdicts, evidence, printed = lesson07
+        here, batch = evidence["this machine"], evidence["this machine"]["batch"]
+        cost = cost_of(here)
+        model = {str(v["num_tokens"]): cost.choose(v["num_blocks"], here["block_bytes"], v["num_tokens"], batch)
+                 for v in here["victims"]}
+        assert verdicts["model cheaper"] == model
+        assert verdicts["model agrees with measurement"] == (model == verdicts["measured cheaper"])
+        same = sum(model[n] == verdicts["measured cheaper"][n] for n in model)
+        assert f"it picks the measured winner at {same} of {len(model)} lengths" in printed
+
+    def test_each_machines_recompute_range_and_its_sentence(self, lesson07):
+        verdicts, evidence, printed = lesson07
+        for machine, entry in evidence["machines"].items():
+            cost, batch = cost_of(entry), evidence["this machine"]["batch"]
+            recomputed = [b * BLOCK for b in range(1, LIMIT_07 // BLOCK + 1)
+                          if cost.choose(b, entry["block_bytes"], b * BLOCK, batch) == "recompute"]
+            expected = [recomputed[0], recomputed[-1]] if recomputed else None
+            assert verdicts["recompute range"][machine] == expected, machine
+            line = printed_line(printed, f"{machine}: ")
+            if expected is None:
+                assert "swap is cheaper for every victim" in line
+            elif expected[1] < LIMIT_07:
+                assert f"recompute from {expected[0]:,} to {expected[1]:,} tokens, swap beyond" in line
+
+    def test_auto_did_what_its_prices_predicted(self, lesson07):
+        verdicts, _, printed = lesson07
+        for label, run in verdicts["auto"].items():
+            assert run["swapped"] + run["recomputed"] == run["preemptions"] > 0
+            if run["predicted"] == "swap":
+                assert run["recomputed"] == run["fallbacks"], label
+            elif run["predicted"] == "recompute":
+                assert run["swapped"] == 0, label
+            chose_recompute = run["recomputed"] - run["fallbacks"]
+            chose_swap = run["swapped"] + run["fallbacks"]
+            assert f"{label}: auto chose swap {chose_swap} times and recompute {chose_recompute} times" in printed
+
+    def test_mistakes_conclude_from_their_paired_rounds(self, lesson07):
+        verdicts, evidence, _ = lesson07
+        copies = evidence["block by block"]
+        for way in ("block by block", "batched"):
+            assert verdicts[f"{way} against recompute"] == {
+                str(b): between(copies["rounds"], f"{b}: {way}", "step with the recompute") for b in copies["block sizes"]}
+        own = evidence["own pass"]
+        expected = {str(n): decide({way: own["rounds"][f"{n}: {way}"] for way in ("in the batch", "a pass of its own")})
+                    or "too close to call" for n in own["lengths"]}
+        assert verdicts["own pass cheaper step"] == expected
+        assert verdicts["own pass overcharges here"] == all(v == "in the batch" for v in expected.values())
+        rounds, lengths = evidence["per token"]["rounds"], evidence["per token"]["lengths"]
+        per_token = {n: [(w - a) / n for w, a in zip(rounds[str(n)], rounds["step alone"])] for n in lengths}
+        cheapest = min(lengths, key=lambda n: statistics.median(per_token[n]))
+        longest = lengths[-1]
+        assert verdicts["per-token recompute grows"] == (
+            decide({"cheapest": per_token[cheapest], "longest": per_token[longest]}) == "cheapest")
+        low = 1e6 * median_interval(per_token[longest])[0]
+        assert verdicts["without attention undercharges the longest"] == (
+            evidence["per token"]["without attention us/token"] < low)
 
 
-def test_09_each_machines_crossover_and_its_sentence(lesson09):
-    verdicts, evidence, printed = lesson09
-    for machine, entry in evidence["machines"].items():
-        cost = cost_of(entry)
-        prices = {c: returning_prices(cost, c, entry["block_bytes"]) for c in range(BLOCK, entry["limit"] + 1, BLOCK)}
-        found = [c for c, (recompute, host) in prices.items() if host < recompute]
-        if found:
-            assert found == list(range(found[0], entry["limit"] + 1, BLOCK)), f"{machine}: the curves cross twice"
-        expected = found[0] if found else None
-        assert verdicts["crossover"][machine] == expected, machine
-        line = printed_line(printed, f"{machine}: ")
-        if expected is None:
-            assert "recomputing is cheaper at every context" in line
-        elif expected > BLOCK:
-            assert f"recomputing is cheaper below {expected:,} tokens of context" in line
+class TestLesson09(LessonRuns):
+    NAME, MIN_EXERCISES, MIN_VERDICTS = LESSON_09, 2, 0  # its verdicts are tables, checked one by one below
 
+    @pytest.fixture(scope="class")
+    def lesson09(self, runs):
+        return as_tuple(runs[0])
 
-def test_09_walk_through_verdicts_follow_from_its_table(lesson09):
-    verdicts, evidence, _ = lesson09
-    runs = walk_through(evidence)
-    lengths = sorted({n for _, n in runs})
-    device_only = [runs["device-only prefix cache", n] for n in lengths]
-    assert verdicts["device-only found nothing"] == all(r["recomputed"] == r["context"] for r in device_only)
-    assert verdicts["host tier copied every full block"] == all(
-        runs["host tier", n]["copied back"] == runs["host tier", n]["context"] // BLOCK * BLOCK for n in lengths)
-    growth = {name: [b / a for a, b in zip(runs[name, lengths[0]]["ttfts"], runs[name, lengths[-1]]["ttfts"])]
-              for name in ("no prefix caching", "host tier")}
-    assert verdicts["growth"] == settled_09(
-        [r / t for r, t in zip(growth["no prefix caching"], growth["host tier"])], "faster", "slower")
+    def test_the_cheaper_returning_turn_timed_in_the_engine_and_by_the_model(self, lesson09):
+        verdicts, evidence, printed = lesson09
+        assert verdicts["timed cheaper"] == {str(t["context"]): decide(t["rounds"]) or TOO_CLOSE
+                                             for t in evidence["returning"]}
+        assert all(len(t["rounds"]["recompute"]) >= 7 for t in evidence["returning"])  # paired rounds, not one timing
+        runs = walk_through(evidence)
+        lengths = sorted({n for _, n in runs})
+        assert verdicts["engine cheaper"] == {
+            str(n): settled([r / h for r, h in zip(runs["no prefix caching", n]["ttfts"], runs["host tier", n]["ttfts"])],
+                               "copy back", "recompute") for n in lengths}
+        here = evidence["this machine"]
+        model = {str(n): "copy back" if returning_prices(cost_of(here), n, here["block_bytes"])[1]
+                 < returning_prices(cost_of(here), n, here["block_bytes"])[0] else "recompute" for n in lengths}
+        assert verdicts["model cheaper"] == model
+        for label in ("model", "timed", "engine"):
+            assert printed_line(printed, f"{label:6s} cheaper: ") == f"{label:6s} cheaper: " + ", ".join(
+                f"{n}: {v}" for n, v in verdicts[f"{label} cheaper"].items())
 
+    def test_each_machines_crossover_and_its_sentence(self, lesson09):
+        verdicts, evidence, printed = lesson09
+        for machine, entry in evidence["machines"].items():
+            cost = cost_of(entry)
+            prices = {c: returning_prices(cost, c, entry["block_bytes"]) for c in range(BLOCK, entry["limit"] + 1, BLOCK)}
+            found = [c for c, (recompute, host) in prices.items() if host < recompute]
+            if found:
+                assert found == list(range(found[0], entry["limit"] + 1, BLOCK)), f"{machine}: the curves cross twice"
+            expected = found[0] if found else None
+            assert verdicts["crossover"][machine] == expected, machine
+            line = printed_line(printed, f"{machine}: ")
+            if expected is None:
+                assert "recomputing is cheaper at every context" in line
+            elif expected > BLOCK:
+                assert f"recomputing is cheaper below {expected:,} tokens of context" in line
 
-def test_09_mistakes_conclude_from_their_tables(lesson09):
-    verdicts, evidence, printed = lesson09
-    for row in evidence["tier sizes"]:
-        keys = ("block 0 on host", "copied back", "recomputed")
-        assert verdicts["tier sizes"][str(row["host blocks"])] == {key: row[key] for key in keys}
-        line = printed_line(printed, f"a tier of {row['host blocks']} blocks: ")
-        assert ("found nothing" in line) == (row["copied back"] == 0)
-    tier = next(r for r in evidence["one-off traffic"] if r["mode"] == "host tier")
-    assert verdicts["tier only cost"] == (tier["host hit tokens"] == 0 and tier["blocks copied"] > 0)
-    winner = decide(evidence["one-off rounds"])
-    assert verdicts["tier made one-off traffic slower"] == {
-        "device-only prefix cache": "yes", "host tier": "no"}.get(winner, TOO_CLOSE_09)
-    assert len(evidence["one-off rounds"]["host tier"]) >= 7
-    assert printed_line(printed, "traffic that never returns, slower with the tier here: ").endswith(
-        verdicts["tier made one-off traffic slower"])
+    def test_walk_through_verdicts_follow_from_its_table(self, lesson09):
+        verdicts, evidence, _ = lesson09
+        runs = walk_through(evidence)
+        lengths = sorted({n for _, n in runs})
+        device_only = [runs["device-only prefix cache", n] for n in lengths]
+        assert verdicts["device-only found nothing"] == all(r["recomputed"] == r["context"] for r in device_only)
+        assert verdicts["host tier copied every full block"] == all(
+            runs["host tier", n]["copied back"] == runs["host tier", n]["context"] // BLOCK * BLOCK for n in lengths)
+        growth = {name: [b / a for a, b in zip(runs[name, lengths[0]]["ttfts"], runs[name, lengths[-1]]["ttfts"])]
+                  for name in ("no prefix caching", "host tier")}
+        assert verdicts["growth"] == settled(
+            [r / t for r, t in zip(growth["no prefix caching"], growth["host tier"])], "faster", "slower")
 
+    def test_mistakes_conclude_from_their_tables(self, lesson09):
+        verdicts, evidence, printed = lesson09
+        for row in evidence["tier sizes"]:
+            keys = ("block 0 on host", "copied back", "recomputed")
+            assert verdicts["tier sizes"][str(row["host blocks"])] == {key: row[key] for key in keys}
+            line = printed_line(printed, f"a tier of {row['host blocks']} blocks: ")
+            assert ("found nothing" in line) == (row["copied back"] == 0)
+        tier = next(r for r in evidence["one-off traffic"] if r["mode"] == "host tier")
+        assert verdicts["tier only cost"] == (tier["host hit tokens"] == 0 and tier["blocks copied"] > 0)
+        winner = decide(evidence["one-off rounds"])
+        assert verdicts["tier made one-off traffic slower"] == {
+            "device-only prefix cache": "yes", "host tier": "no"}.get(winner, TOO_CLOSE)
+        assert len(evidence["one-off rounds"]["host tier"]) >= 7
+        assert printed_line(printed, "traffic that never returns, slower with the tier here: ").endswith(
+            verdicts["tier made one-off traffic slower"])
 
-def test_09_the_view_follows_the_conversation_to_the_host_and_back(lesson09):
-    verdicts, evidence, printed = lesson09
-    journey = evidence["view journey"]
-    assert all(journey.values()), f"the view did not show every stage its text names: {journey}"
-    held, cached, host = journey["held"], journey["cached on the device"], journey["on the host only"]
-    assert held[0] < cached[0] < host[0] < held[-1]  # held, kept by the cache, on the host, held again
-    assert verdicts["view journey"] == {stage: bool(steps) for stage, steps in journey.items()}
+    def test_the_view_follows_the_conversation_to_the_host_and_back(self, lesson09):
+        verdicts, evidence, printed = lesson09
+        journey = evidence["view journey"]
+        assert all(journey.values()), f"the view did not show every stage its text names: {journey}"
+        held, cached, host = journey["held"], journey["cached on the device"], journey["on the host only"]
+        assert held[0] < cached[0] < host[0] < held[-1]  # held, kept by the cache, on the host, held again
+        assert verdicts["view journey"] == {stage: bool(steps) for stage, steps in journey.items()}

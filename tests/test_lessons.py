@@ -32,7 +32,9 @@ def test_every_lesson_has_its_verdicts_checked():
     import test_lesson_verdicts
     assert RECOMPUTED_ELSEWHERE <= {p.stem[:2] for p in LESSONS}, "a lesson named here no longer exists"
     for number in RECOMPUTED_ELSEWHERE:
-        assert any(name.startswith(f"test_{number}_") for name in dir(test_lesson_verdicts)), \
+        checks = getattr(test_lesson_verdicts, f"TestLesson{number}", None)
+        own = {name for name in dir(checks)} - {name for name in dir(test_lesson_verdicts.LessonRuns)}
+        assert any(name.startswith("test_") for name in own), \
             f"lesson {number} is neither checked here nor in tests/test_lesson_verdicts.py"
 
 
@@ -42,7 +44,9 @@ def test_every_timed_lesson_runs_twice_and_nbval_skips_it():
     assert {name[:2] for name in ignored} == TIMED_TWICE
     assert all((ROOT / "notebooks" / name).is_file() for name in ignored), "nbval skips a lesson that no longer exists"
     for number in TIMED_TWICE:
-        assert hasattr(test_lesson_verdicts, f"test_{number}_verdicts_hold_on_a_second_run"), number
+        checks = getattr(test_lesson_verdicts, f"TestLesson{number}", None)
+        assert checks is not None and issubclass(checks, test_lesson_verdicts.LessonRuns), number
+        assert checks.NAME[:2] == number, (number, checks.NAME)
 
 
 def test_a_verdict_prints_what_the_numbers_say_and_is_checked_again(capsys):

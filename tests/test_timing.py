@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvlib.course.timing import compare, decide
+from kvlib.course.timing import TOO_CLOSE, compare, decide, settled
 
 
 class FakeClock:
@@ -75,3 +75,10 @@ def test_equal_options_are_almost_never_given_a_winner(seed):
     clock = FakeClock(noise=0.3, seed=seed)
     result = compare({"a": clock.costs(1.0), "b": clock.costs(1.0)}, clock=clock, budget_s=1e9)
     assert result.winner is None
+
+
+def test_a_few_whole_runs_name_a_winner_only_a_quarter_clear_of_a_tie():
+    assert settled([1.3, 1.2, 1.26], "above", "below") == "above"  # median 1.26
+    assert settled([0.7, 0.9, 0.79], "above", "below") == "below"  # median 0.79 <= 1 / 1.25
+    assert settled([1.24, 2.0, 0.5], "above", "below") == TOO_CLOSE
+    assert settled([0.81, 0.8, 0.9], "above", "below") == TOO_CLOSE  # 0.81 > 0.8

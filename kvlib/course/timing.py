@@ -8,6 +8,9 @@ comparison is *too close to call here*, and the lesson must say so rather than n
 interval comes from the rounds' order statistics (no assumption about how timings are spread). A cost measured as
 the difference of two timings is reported only when it is clear of zero (:meth:`Comparison.extra`),
 so a lesson never prints a negative cost.
+
+A handful of whole-engine runs (three rounds, say) is too few for that interval; :func:`settled` is
+the rule for them: a winner only where the median paired ratio is at least :data:`SETTLED` away from 1.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from typing import Callable, Mapping, Optional
 
 MARGIN = 0.05  # ratios within 5% of 1 are too close to call: two runs could order them either way
 CONFIDENCE = 0.98  # the median's interval must lie clear of the margin with this confidence
+SETTLED = 1.25  # with too few rounds for an interval, a median paired ratio this far from 1 names a winner
+TOO_CLOSE = "too close to call here"
 
 
 @dataclass(frozen=True)
@@ -103,3 +108,10 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     while k < n // 2 and 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n <= outside:
         k += 1
     return (ordered[k - 1], ordered[n - k]) if k else (-math.inf, math.inf)
+
+
+def settled(ratios: list[float], above: str, below: str) -> str:
+    """``above`` where the median paired ratio is at least :data:`SETTLED`, ``below`` where it is at most
+    ``1 / SETTLED``, else :data:`TOO_CLOSE`: the verdict of a few rounds, each a whole engine run."""
+    middle = statistics.median(ratios)
+    return above if middle >= SETTLED else below if middle <= 1 / SETTLED else TOO_CLOSE
