@@ -84,6 +84,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(history=config.metrics_history)
         self._requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, sample 0 first
         self._ready: dict[str, RequestOutput] = {}  # outputs the next step() hands out first (rejections ...)
+        self._aborts_after_step: Optional[list[str]] = None  # during a step: aborts asked for, done when it ends
         self._stopped: Optional[str] = None  # why the engine refuses to go on, once a step stopped halfway
         self._num_requests = 0
         self._step = 0
@@ -220,7 +221,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state (waiting, mid-prefill, running, swapped, forked): every block it
-        holds, on the device and the host, goes back, and no step returns anything more for it."""
+        holds, on the device and the host, goes back, and no step returns anything more for it.
+
+        Asked during a step (by a plugged-in piece, say), it is done when the step ends, so the step's
+        plan never names a sequence that has gone."""
+        if self._aborts_after_step is not None:
+            self._aborts_after_step.append(request_id)
+            return
         seqs = self._requests.pop(request_id, None)
         self._ready.pop(request_id, None)
         if seqs is None:
@@ -248,12 +255,17 @@ class LLMEngine:
         had already recorded) come back from the next step."""
         self._require_running()
         outputs, self._ready = self._ready, {}
+        self._aborts_after_step = []
         try:
             self._run_step(outputs)
         except BaseException:
             self.hand_back(list(outputs.values()))
             raise
-        return list(outputs.values())
+        finally:
+            aborted, self._aborts_after_step = self._aborts_after_step, None
+            for request_id in aborted:
+                self.abort_request(request_id)
+        return [out for request_id, out in outputs.items() if request_id not in aborted]
 
     def _run_step(self, outputs: dict[str, RequestOutput]) -> None:
         if not self.scheduler.has_unfinished():

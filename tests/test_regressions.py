@@ -12,12 +12,11 @@ import torch
 from kvlib import LLM, EngineConfig, SamplingParams, interfaces
 from kvlib.attention.torch_backend import TorchAttentionBackend
 from kvlib.core.block_allocator import BlockAllocator
-from kvlib.core.invariants import check_invariants
+from kvlib.core.invariants import check_invariants, serve_checked
 from kvlib.core.preemption import LatestArrivalPolicy
 from kvlib.core.prefix_cache import HostPrefixTier
 from kvlib.core.sequence import SequenceStatus, sample_stream_seed
 from kvlib.core.sharing import BlockSharing
-from kvlib.core.invariants import serve_checked
 from kvlib.interfaces import check_implements
 
 
@@ -536,3 +535,42 @@ def test_admission_does_not_count_room_for_the_last_tokens_kv_which_is_never_sto
     assert [o.finish_reason for o in outs] == ["length", "length", "rejected"]
     assert "needs 2 KV blocks" in outs[2].error
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in roomy.generate(prompts[:2], params[:2])]
+
+
+def test_a_policy_that_aborts_its_victims_request_while_choosing_it_leaves_the_step_whole(checkpoint):
+    """Aborting during a step (here from the victim choice) takes effect when the step ends: nothing raises,
+    the request returns nothing more, every block comes back, the others keep their tokens."""
+    path = checkpoint("llama-gqa")
+
+    class AbortingPolicy(LatestArrivalPolicy):
+        engine, aborted = None, []
+
+        def select_victim(self, candidates, shortfall):
+            victim = super().select_victim(candidates, shortfall)
+            if not self.aborted:
+                self.aborted.append(victim.seq.request_id)
+                self.engine.abort_request(victim.seq.request_id)
+            return victim
+
+    policy = AbortingPolicy()
+    config = EngineConfig(block_size=4, num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode="swap", watermark=0.0)
+    llm = LLM(path, config, preemption_policy=policy, verbose=False)
+    policy.engine = llm.engine
+    prompts = [[3 + i, 4, 5, 6, 7] for i in range(4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"r{i}", prompt, params)
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():  # the step that aborts it, and every later one, return nothing for it
+            assert out.request_id not in policy.aborted
+            outputs[out.request_id] = out
+        check_invariants(llm.engine)
+    for request_id in policy.aborted:
+        assert not outputs.pop(request_id).finished
+    assert len(policy.aborted) == 1 and llm.metrics.num_aborted == 1
+    bm = llm.engine.block_manager
+    assert bm.device_pool.num_free == 10 and bm.host_pool.num_free == 16
+    roomy = LLM(path, EngineConfig(block_size=4, num_gpu_blocks=64), verbose=False).generate(prompts, params)
+    assert {rid: out.token_ids for rid, out in outputs.items()} == {
+        f"r{i}": out.token_ids for i, out in enumerate(roomy) if f"r{i}" not in policy.aborted}
