@@ -129,7 +129,7 @@ class LLMEngine:
 
     def _probe_cost_model(self, verbose: bool):
         """Auto mode prices swap and recompute with the policy's cost model, else one measured here now."""
-        cost = getattr(self.policy, "cost_model", None) or self.runner.measure_cost_model()
+        cost = self.policy.cost_model or self.runner.measure_cost_model()
         if verbose:
             print(f"kvlib: auto preemption, host link {cost.host_link_bytes_per_s / 1e9:.2f} GB/s, "
                   f"prefill {cost.prefill_tokens_per_s:,.0f} tokens/s")

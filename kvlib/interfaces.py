@@ -68,7 +68,9 @@ class PreemptionPolicy(Protocol):
     partial preemption) and asks again until the requester fits or was itself the victim.
 
     ``choose_mode`` is asked for each victim only with ``preemption_mode="auto"`` and returns
-    ``"swap"`` or ``"recompute"``; ``EngineConfig.preemption_mode`` alone decides otherwise. The
+    ``"swap"`` or ``"recompute"``; ``EngineConfig.preemption_mode`` alone decides otherwise. In auto
+    mode the engine prices both with ``cost_model``, or, where it is None, with one it measures at
+    start-up (``PreemptionContext.cost_model`` hands it to ``choose_mode``). The
     engine guarantees that a swap without room on the host recomputes instead (counted in
     ``metrics.num_swap_fallbacks``) and that no choice changes a single output token.
     """
@@ -329,6 +331,10 @@ def check_preemption_policy(policy, preemption_mode: str) -> None:
     if preemption_mode == "auto" and not _has(policy, "choose_mode"):
         raise TypeError(f"preemption_mode='auto' asks the policy to choose swap or recompute, but {policy!r} "
                         f"has no choose_mode(victim, context) method")
+    if preemption_mode == "auto" and not _has(policy, "cost_model"):
+        raise TypeError(f"preemption_mode='auto' prices swap and recompute with the policy's cost_model (None: "
+                        f"measured at start-up), but {policy!r} has none; give it cost_model = None, or a "
+                        f"PreemptionCostModel")
     problems = [problem for name in ("select_victim", "choose_mode")
                 if _has(policy, name) and (problem := _call_problem(policy, PreemptionPolicy, name))]
     if problems:

@@ -213,3 +213,19 @@ def test_a_mechanism_is_told_of_block_actions_that_exist_each_with_one_meaning()
     named -= set(interfaces.protocol_members(interfaces.PreemptionMechanism))
     assert named == {"take", "take_host", "release", "release_host", "copy_out", "copy_in"}
     assert all(callable(getattr(BlockManager, name)) for name in named)
+
+
+def test_auto_mode_refuses_a_policy_without_the_cost_model_it_prices_with():
+    class ChoosesWithoutPrices:
+        def select_victim(self, candidates, shortfall):
+            return candidates[-1]
+
+        def choose_mode(self, victim, context):
+            return "swap"
+
+    with pytest.raises(TypeError, match="has none; give it cost_model = None"):
+        LLM("default", EngineConfig(preemption_mode="auto", num_gpu_blocks=32), preemption_policy=ChoosesWithoutPrices())
+    policy = ChoosesWithoutPrices()
+    policy.cost_model = None
+    assert LLM("default", EngineConfig(preemption_mode="auto", num_gpu_blocks=32), preemption_policy=policy,
+               verbose=False).engine.cost_model is not None  # measured at start-up
