@@ -6,8 +6,9 @@ aligned). A variant first met mid-serving costs that step a second or more. The 
 set small and fixed (fixed-width block tables, aligned buffers, ``do_not_specialize`` on the
 integers that vary from step to step), and this module launches each member once at start-up:
 
-- a mixed step (a decode beside a prefill): the store kernel, the plain decode kernel and the
-  prefill kernel;
+- a mixed step (a decode beside a two-token prefill, given as many blocks as two tokens take at
+  the pool's block size, ids wrapped around a smaller pool): the store kernel, the plain decode
+  kernel and the prefill kernel;
 - one decode step at each context bound the backend declares
   (``capabilities.warm_up_decode_bounds``): for the Triton backend, one per split count a power of
   two apart, the split decode kernel and each width of the merge kernel, with the bound on the
@@ -24,10 +25,17 @@ from kvlib.runner.kv_cache import copy_blocks_between
 from kvlib.runner.step_inputs import Chunk
 
 
+def prefill_blocks(num_tokens: int, block_size: int, num_blocks: int) -> list[int]:
+    """A block table for ``num_tokens`` warm-up tokens: one block per ``block_size`` of them, ids taken in turn
+    from a pool of ``num_blocks`` (a pool smaller than the chunk writes its blocks again, which is harmless)."""
+    return [i % num_blocks for i in range(-(-num_tokens // block_size))]
+
+
 def warm_up(runner) -> None:
     """Launch every kernel variant once on the runner's own pools and buffers."""
     block_size, window = runner.spec.block_size, runner.model.config.sliding_window
-    mixed = [Chunk([0], 0, [0], sampled=True), Chunk([0, 0], 0, [0], sampled=True)]
+    two_tokens = prefill_blocks(2, block_size, runner.gpu_pool.num_blocks)
+    mixed = [Chunk([0], 0, [0], sampled=True), Chunk([0, 0], 0, two_tokens, sampled=True)]
     bounds = runner.backend.capabilities.warm_up_decode_bounds
     steps = [(mixed, None)] + [([Chunk([0], 0, [0], sampled=True)], bound) for bound in bounds]
     for chunks, bound in steps:

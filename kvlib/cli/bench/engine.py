@@ -13,6 +13,10 @@ workload, same KV memory budget, one run:
   to ``B`` requests that have arrived; it is padded to its longest prompt and runs until its
   longest output is done.
 
+Both run on the same device in the same dtype, those kvlib picks for itself (``device="auto"``,
+``dtype="auto"``: bfloat16 on a recent GPU, float32 on a CPU), and the report's title names them:
+a transformers baseline left in float32 on the host would say nothing about kvlib on a GPU.
+
 Both count only the tokens each request asked for (``ignore_eos``), report output tokens per
 second over the whole run, time to first token and end-to-end latency per request. For kvlib a
 second table says where its steps spent their time: scheduling (planning and recording), block
@@ -38,6 +42,8 @@ from kvlib.config import EngineConfig, SamplingParams
 from kvlib.llm import LLM
 from kvlib.metrics import percentile
 from kvlib.model.catalog import resolve_model_folder
+from kvlib.model.config import ModelConfig
+from kvlib.runner.device import resolve_device, resolve_dtype
 
 
 @dataclass
@@ -99,11 +105,33 @@ class StepProfile:
         return shares
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where both engines run and in what dtype: the same for both, or the comparison says nothing."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @classmethod
+    def auto(cls) -> "Placement":
+        """kvlib's own choice with ``device="auto"``, ``dtype="auto"``."""
+        device = resolve_device("auto")
+        return cls(device, resolve_dtype("auto", device))
+
+    def describe(self) -> str:
+        return f"{self.device.type}, {str(self.dtype).removeprefix('torch.')}"
+
+
+def _fields(placement: Placement) -> dict:
+    return {"device": placement.device.type, "dtype": str(placement.dtype).removeprefix("torch.")}
+
+
 def run_kvlib(folder: Path, requests: list[Request], budget_tokens: int, block_size: int,
-              cuda_graphs: bool = True) -> dict:
+              cuda_graphs: bool = True, placement: Placement | None = None) -> dict:
     """kvlib's row; ``row["profile"]`` holds its step profile (``StepProfile.shares``)."""
+    placement = placement or Placement.auto()
     config = EngineConfig(block_size=block_size, num_gpu_blocks=budget_tokens // block_size,
-                          max_num_seqs=256, preemption_mode="recompute")
+                          max_num_seqs=256, preemption_mode="recompute", **_fields(placement))
     llm = LLM(folder, config, verbose=False)
     engine = llm.engine
     if not cuda_graphs:
@@ -132,8 +160,7 @@ def run_kvlib(folder: Path, requests: list[Request], budget_tokens: int, block_s
     graphs = " + CUDA graphs" if engine.runner.graphs is not None else ""
     row = _latency_row(f"kvlib (paged, continuous batching{graphs})", sum(r.max_tokens for r in requests), elapsed,
                        ttfts, e2es)
-    row["preemptions"] = llm.metrics.num_preemptions
-    row["profile"] = profile.shares()
+    row.update(_fields(placement), preemptions=llm.metrics.num_preemptions, profile=profile.shares())
     return row
 
 
@@ -152,12 +179,17 @@ class FirstTokenTimer:
         pass
 
 
-def run_transformers(folder: Path, requests: list[Request], budget_tokens: int) -> dict:
+def run_transformers(folder: Path, requests: list[Request], budget_tokens: int,
+                     placement: Placement | None = None) -> dict:
+    """transformers' row, its model and every batch on ``placement``'s device in its dtype."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    placement = placement or Placement.auto()
+    device = placement.device
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=placement.dtype).to(device).eval()
     batch_size = max(1, budget_tokens // max(len(r.prompt) + r.max_tokens for r in requests))
     pad = 0
-    model.generate(torch.tensor([requests[0].prompt]), max_new_tokens=2, do_sample=False, pad_token_id=pad)  # warm-up
+    model.generate(torch.tensor([requests[0].prompt], device=device), max_new_tokens=2, do_sample=False,
+                   pad_token_id=pad)  # warm-up
     start, queue, ttfts, e2es = time.perf_counter(), list(requests), [], []
     while queue:
         now = time.perf_counter() - start
@@ -167,8 +199,8 @@ def run_transformers(folder: Path, requests: list[Request], budget_tokens: int) 
         batch = [r for r in queue if r.arrival <= now][:batch_size]
         del queue[:len(batch)]
         width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device)
         new = max(r.max_tokens for r in batch)
         timer = FirstTokenTimer()
         with torch.no_grad():
@@ -180,7 +212,7 @@ def run_transformers(folder: Path, requests: list[Request], budget_tokens: int) 
     elapsed = time.perf_counter() - start
     row = _latency_row(f"transformers generate (static batches of {batch_size})",
                        sum(r.max_tokens for r in requests), elapsed, ttfts, e2es)
-    row["preemptions"] = 0
+    row.update(_fields(placement), preemptions=0)
     return row
 
 
@@ -204,12 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     folder = resolve_model_folder(args.model)
-    vocab = LLM(folder, EngineConfig(num_gpu_blocks=1, block_size=1), verbose=False).engine.model_config.vocab_size
-    requests = make_workload(args.requests, args.scale, args.rate, vocab)
-    runs = [lambda: run_transformers(folder, requests, args.budget),
-            lambda: run_kvlib(folder, requests, args.budget, args.block_size)]
+    requests = make_workload(args.requests, args.scale, args.rate, ModelConfig.from_folder(folder).vocab_size)
+    placement = Placement.auto()
+    runs = [lambda: run_transformers(folder, requests, args.budget, placement),
+            lambda: run_kvlib(folder, requests, args.budget, args.block_size, placement=placement)]
     if args.compare_graphs and torch.cuda.is_available():
-        runs.append(lambda: run_kvlib(folder, requests, args.budget, args.block_size, cuda_graphs=False))
+        runs.append(lambda: run_kvlib(folder, requests, args.budget, args.block_size, cuda_graphs=False,
+                                      placement=placement))
     results = [[run() for run in runs] for _ in range(args.repeats)]
     rows = [max((r[i] for r in results), key=lambda row: row["output tokens/s"]) for i in range(len(runs))]
     profiles = [{"engine": row["engine"], **row.pop("profile")} for row in rows[1:]]
@@ -218,7 +251,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     best = f", fastest of {args.repeats} runs each, in turns" if args.repeats > 1 else ""
     print(format_table(rows, f"{len(requests)} requests at {args.rate}/s, lengths x{args.scale}, "
                              f"KV budget {args.budget} token slots, model {args.model} ({folder.name}), "
-                             f"{torch.get_num_threads()} thread(s){best}"))
+                             f"both engines on {placement.describe()}, {torch.get_num_threads()} thread(s){best}"))
     print()
     print(format_table(profiles, "kvlib's steps: share of their time in each part (attention is within forward)"))
     return 0
