@@ -32,29 +32,10 @@ from kvlib.runner.model_runner import ModelRunner
 from kvlib.tokenizer import Tokenizer, unicode_problem
 
 logger = logging.getLogger("kvlib")
-FACTORY_PIECES = {"allocator": "a class or factory, called with a pool's block count",
-                  "scheduler": "a Scheduler subclass", "block_manager": "a BlockManager subclass",
-                  "host_prefix_tier": "a class or factory, called with the host pool's allocator"}
-OBJECT_PIECES = ("preemption_policy", "attention_backend", "block_sharing", "oversubscription_detector")
 
 
 class EngineStoppedError(RuntimeError):
     """A step stopped halfway through its block moves or its bookkeeping: this engine can serve no more."""
-
-
-def check_piece_kinds(pieces: dict) -> None:
-    """The pieces the engine builds for itself come as what builds them; the others come built."""
-    for name, what in FACTORY_PIECES.items():
-        piece = pieces.get(name)
-        if piece is not None and not callable(piece):
-            kind = type(piece).__name__
-            raise TypeError(f"{name} must be {what}, got an instance of {kind}; the engine builds its own, so "
-                            f"pass the class itself ({name}={kind})")
-    for name in OBJECT_PIECES:
-        piece = pieces.get(name)
-        if isinstance(piece, type):
-            raise TypeError(f"{name} must be an object, got the class {piece.__name__}; pass an instance "
-                            f"({name}={piece.__name__}())")
 
 
 class LLMEngine:
@@ -67,7 +48,6 @@ class LLMEngine:
             hint = "; for a dict of its fields, pass EngineConfig(**that_dict)" if isinstance(config, dict) else ""
             raise TypeError(f"config must be an EngineConfig, got a {type(config).__name__}{hint}")
         self.config = config = (config or EngineConfig()).copy()  # the caller's object may change; this may not
-        check_piece_kinds(pieces)
         pieces = Pieces.from_keywords(**pieces).with_defaults(config)
         self.policy = pieces.preemption_policy
         self.oversubscription = pieces.oversubscription_detector

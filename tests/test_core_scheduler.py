@@ -223,3 +223,9 @@ def test_paused_sequences_holding_blocks_give_them_up_when_nothing_else_can_run(
     assert [[len(s.output_token_ids) for s in e.requests[f"r{i}"]] for i in range(4)] == [[5], [1], [10], [6, 6]]
     monkeypatch.setattr(Scheduler, "_release_holders", lambda self, out: None)
     assert serve()[1] is None  # without it, the three wait for each other's blocks for ever
+
+
+def test_the_model_free_engine_refuses_a_piece_of_the_wrong_kind_as_the_engine_does():
+    from kvlib.core.block_allocator import BlockAllocator
+    with pytest.raises(TypeError, match="allocator must be a class or factory.*pass the class itself"):
+        ModelFreeEngine(EngineConfig(block_size=BS, num_gpu_blocks=4), allocator=BlockAllocator(4))

@@ -22,6 +22,12 @@ from kvlib.core.scheduler import Scheduler
 from kvlib.core.sharing import BlockSharing
 
 
+BUILT_BY_THE_CORE = {"allocator": "a class or factory, called with a pool's block count",
+                     "scheduler": "a Scheduler subclass", "block_manager": "a BlockManager subclass",
+                     "host_prefix_tier": "a class or factory, called with the host pool's allocator"}
+PASSED_BUILT = ("preemption_policy", "attention_backend", "block_sharing", "oversubscription_detector")
+
+
 @dataclass(frozen=True)
 class Pieces:
     """Your own pieces in place of kvlib's; None keeps kvlib's own. Each one's contract is a protocol
@@ -35,6 +41,20 @@ class Pieces:
     scheduler: Optional[type] = None  # a Scheduler subclass, built with the engine's own arguments
     block_manager: Optional[type] = None  # a BlockManager subclass, built with the engine's own arguments
     host_prefix_tier: Optional[Callable] = None  # called with the host pool's allocator
+
+    def __post_init__(self) -> None:
+        """The pieces the core builds for itself come as what builds them; the others come built."""
+        for name, what in BUILT_BY_THE_CORE.items():
+            piece = getattr(self, name)
+            if piece is not None and not callable(piece):
+                kind = type(piece).__name__
+                raise TypeError(f"{name} must be {what}, got an instance of {kind}; the engine builds its own, so "
+                                f"pass the class itself ({name}={kind})")
+        for name in PASSED_BUILT:
+            piece = getattr(self, name)
+            if isinstance(piece, type):
+                raise TypeError(f"{name} must be an object, got the class {piece.__name__}; pass an instance "
+                                f"({name}={piece.__name__}())")
 
     @classmethod
     def from_keywords(cls, **pieces) -> "Pieces":
