@@ -63,3 +63,28 @@ def test_placement_auto_is_kvlibs_own_choice():
     llm = LLM("default", EngineConfig(num_gpu_blocks=4), verbose=False)
     auto = Placement.auto()
     assert (auto.device.type, auto.dtype) == (llm.engine.device.type, llm.engine.dtype)
+
+
+def test_kernel_bench_times_the_engines_dtype_then_float16(monkeypatch):
+    """On a GPU of compute capability 9.0 the engine serves bfloat16: the bench's first rows are bfloat16 (it timed
+    float16 only), float16 follows."""
+    import triton.testing
+
+    from kvlib.cli.bench import kernels as bench
+    from kvlib.kernels import paged_decode
+    timed = []
+
+    def fake_case(batch, context, device, dtype):
+        timed.append(dtype)
+        return (lambda splits: None), (lambda: None), 2 * batch * context
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(bench, "decode_case", fake_case)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, return_mode: fn() or 1.0)
+    monkeypatch.setattr(paged_decode, "choose_num_splits", lambda *args: 1)
+    rows = bench.run_kernel_bench()
+    per_dtype = len(rows) // 2
+    assert [r["dtype"] for r in rows] == ["bfloat16"] * per_dtype + ["float16"] * per_dtype
+    assert timed == [torch.bfloat16] * len(bench.SHAPES) + [torch.float16] * len(bench.SHAPES)
+    assert bench.bench_dtypes(torch.float16) == [torch.float16]

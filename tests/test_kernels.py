@@ -328,7 +328,7 @@ def test_kernel_bench_refuses_gpus_below_sm80(monkeypatch, capsys):
 
 def test_kernel_bench_baseline_computes_the_same_attention():
     """The SDPA baseline the bench times must do the kernel's work, or the comparison means nothing."""
-    paged, sdpa, _ = decode_case(batch=2, context=40, device=DEVICE)
+    paged, sdpa, _ = decode_case(batch=2, context=40, device=DEVICE, dtype=FP16)
     torch.testing.assert_close(paged(2), sdpa(), **TOLERANCE[FP16])
 
 

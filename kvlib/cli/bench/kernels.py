@@ -2,7 +2,9 @@
 
 Decode reads every cached K/V byte once per step and does little arithmetic on it, so its speed
 is a bandwidth question. For each shape (batch x context: 1 x 32k, 32 x 4k, 256 x 1k; 32 query
-heads over 8 kv heads, head dim 128, fp16, blocks of 16 tokens in shuffled order) it reports:
+heads over 8 kv heads, head dim 128, blocks of 16 tokens in shuffled order), in the dtype the engine
+serves this GPU in (bfloat16 from compute capability 8.0) and then in float16 (``bench_dtypes``), it
+reports:
 
 - the K/V bytes read per microsecond, as GB/s and as a share of the device's peak bandwidth;
 - the same attention through ``torch.nn.functional.scaled_dot_product_attention`` over a
@@ -45,7 +47,7 @@ NUM_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_DIM = 128
 BLOCK_SIZE = 16
-DTYPE = torch.float16
+SECOND_DTYPE = torch.float16  # timed after the engine's own dtype, where that is another
 
 # Vendor peak memory bandwidth, GB/s. Matched in order as substrings of the upper-cased device name,
 # so the more specific names come first ("A100" before "A10", "L40" before "L4").
@@ -70,17 +72,23 @@ def peak_bandwidth_gbps(device_name: str) -> float | None:
     return next((float(peak) for key, peak in PEAK_BANDWIDTH_GBPS if key in name), None)
 
 
-def decode_case(batch: int, context: int, device: torch.device | str) -> tuple[Callable, Callable, int]:
+def bench_dtypes(engine_dtype: torch.dtype) -> list[torch.dtype]:
+    """The dtypes timed, first the one the engine serves in (what its decode steps run), then float16."""
+    return list(dict.fromkeys([engine_dtype, SECOND_DTYPE]))
+
+
+def decode_case(batch: int, context: int, device: torch.device | str,
+                dtype: torch.dtype) -> tuple[Callable, Callable, int]:
     """The paged kernel (a function of the split count), its SDPA twin, and the K/V bytes both read."""
     from kvlib.kernels import paged_decode_attention
 
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    pool = torch.randn(num_blocks, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    pool = torch.randn(num_blocks, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
     block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     scale = HEAD_DIM ** -0.5
 
     def contiguous(cache: torch.Tensor) -> torch.Tensor:
@@ -114,7 +122,7 @@ def below_kernel_capability(device: torch.device | str = "cuda") -> str | None:
 
 
 def run_kernel_bench() -> list[dict]:
-    """One row per (shape, implementation); empty where there is no CUDA device.
+    """One row per (dtype, shape, implementation); empty where there is no CUDA device.
 
     Raises RuntimeError on a GPU below compute capability 8.0.
     """
@@ -126,6 +134,7 @@ def run_kernel_bench() -> list[dict]:
     from triton.testing import do_bench
 
     from kvlib.kernels import choose_num_splits
+    from kvlib.runner.device import resolve_dtype
 
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
@@ -133,27 +142,30 @@ def run_kernel_bench() -> list[dict]:
     peak_column = f"% of peak ({peak:,.0f} GB/s)" if peak else "% of peak (device not in table)"
     rows: list[dict] = []
 
-    def row(shape: str, kernel: str, splits: int | None, ms: float, kv_bytes: int, sdpa_ms: float) -> dict:
+    def row(dtype: torch.dtype, shape: str, kernel: str, splits: int | None, ms: float, kv_bytes: int,
+            sdpa_ms: float) -> dict:
         gbps = kv_bytes / (ms * 1e-3) / 1e9
-        return {"device": name if not rows else None, "batch x context": shape, "kernel": kernel, "splits": splits,
+        return {"device": name if not rows else None, "dtype": str(dtype).removeprefix("torch."),
+                "batch x context": shape, "kernel": kernel, "splits": splits,
                 "time (us)": ms * 1e3, "K/V GB/s": gbps, peak_column: 100 * gbps / peak if peak else None,
                 "speedup vs sdpa": sdpa_ms / ms}
 
-    for batch, context in SHAPES:
-        paged, sdpa, kv_bytes = decode_case(batch, context, device)
-        shape = f"{batch} x {context:,}"
-        sdpa_ms = do_bench(sdpa, return_mode="median")
-        auto = choose_num_splits(batch, NUM_KV_HEADS, context, device)
-        if (batch, context) == SPLIT_SHAPE:
-            variants = [("triton paged, plain", 1), ("triton paged, split-KV", max(2, auto))]
-        else:
-            variants = [("triton paged", auto)]
-        for kernel, splits in variants:
-            ms = do_bench(lambda: paged(splits), return_mode="median")
-            rows.append(row(shape, kernel, splits, ms, kv_bytes, sdpa_ms))
-        rows.append(row(shape, "torch sdpa, contiguous", None, sdpa_ms, kv_bytes, sdpa_ms))
-        del paged, sdpa
-        torch.cuda.empty_cache()
+    for dtype in bench_dtypes(resolve_dtype("auto", device)):
+        for batch, context in SHAPES:
+            paged, sdpa, kv_bytes = decode_case(batch, context, device, dtype)
+            shape = f"{batch} x {context:,}"
+            sdpa_ms = do_bench(sdpa, return_mode="median")
+            auto = choose_num_splits(batch, NUM_KV_HEADS, context, device)
+            if (batch, context) == SPLIT_SHAPE:
+                variants = [("triton paged, plain", 1), ("triton paged, split-KV", max(2, auto))]
+            else:
+                variants = [("triton paged", auto)]
+            for kernel, splits in variants:
+                ms = do_bench(lambda: paged(splits), return_mode="median")
+                rows.append(row(dtype, shape, kernel, splits, ms, kv_bytes, sdpa_ms))
+            rows.append(row(dtype, shape, "torch sdpa, contiguous", None, sdpa_ms, kv_bytes, sdpa_ms))
+            del paged, sdpa
+            torch.cuda.empty_cache()
     return rows
 
 
