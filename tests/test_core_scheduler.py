@@ -229,3 +229,26 @@ def test_the_model_free_engine_refuses_a_piece_of_the_wrong_kind_as_the_engine_d
     from kvlib.core.block_allocator import BlockAllocator
     with pytest.raises(TypeError, match="allocator must be a class or factory.*pass the class itself"):
         ModelFreeEngine(EngineConfig(block_size=BS, num_gpu_blocks=4), allocator=BlockAllocator(4))
+
+
+def test_a_requester_with_no_block_of_its_own_is_still_its_own_last_resort():
+    """Two samples sharing both blocks of a full pool: the one that must copy its last block before writing
+    has no unique tail, yet it is offered (as the requester) and gives way; both finish."""
+    from kvlib.core.preemption import LatestArrivalPolicy
+
+    offered = []
+
+    class Recording(LatestArrivalPolicy):
+        def select_victim(self, candidates, shortfall):
+            offered.append([(c.seq.request_id, c.is_requester, c.num_unique_tail_blocks) for c in candidates])
+            return super().select_victim(candidates, shortfall)
+
+    e = ModelFreeEngine(EngineConfig(block_size=BS, num_gpu_blocks=2, watermark=0.0), preemption_policy=Recording())
+    e.add("r", Request([1, 2, 3, 4, 5, 6, 7], 2, n=2))  # 7 + 2 - 1 positions: two blocks per sample
+    for _ in range(20):
+        if not e.has_unfinished():
+            break
+        e.step()
+        check_invariants(e)
+    assert not e.has_unfinished() and [len(s.output_token_ids) for s in e.requests["r"]] == [2, 2]
+    assert offered[0] == [("r", True, 0)]  # its sibling, not yet scheduled, has no unique tail either
