@@ -166,3 +166,41 @@ def test_roofline_counts_the_step_it_times():
     row, = roofline.run_roofline(TINY_MODEL, batch=3, contexts=(20, 40), steps=1)
     assert row["step ms, best"] <= row["step ms, median"]
     assert row["% of matmul rate, best"] == pytest.approx(100 * row["step GFLOPS, best"] / row["matmul GFLOPS (32x576x1536)"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps(decode_only=True))
+def test_in_place_decode_matches_reference(step):
+    query, k_cache, v_cache, meta = make_step(**step)
+    expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
+    got = torch_paged.paged_decode_in_place(query, k_cache, v_cache, meta, SCALE)
+    assert got is not None, "the engine's pool layout reads in place"
+    torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_decode_copies_no_kv_out_of_the_pool(monkeypatch):
+    """On the engine's float32 pool the backend's decode, alone and inside a step with prefills, never gathers K/V."""
+    query, k_cache, v_cache, meta = make_step([90, 33, 1, 130, 72], [1, 1, 1, 130, 1], 4, 2, window=50)
+    expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
+    decode_only = make_step([90, 33, 1, 72], [1, 1, 1, 1], 4, 2, window=50)
+    decode_expected = paged_attention_reference(*decode_only, SCALE)
+    gathered = []
+    real_read_blocks = torch_paged.read_blocks
+    monkeypatch.setattr(torch_paged, "read_blocks", lambda cache, ids, *a: gathered.append(len(ids)) or
+                        real_read_blocks(cache, ids, *a))
+    torch.testing.assert_close(TorchAttentionBackend().forward(*decode_only, SCALE), decode_expected, **EXACT)
+    assert gathered == []
+    got = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(got, expected, **EXACT)
+    assert len(gathered) == 2, "only the prompt's K and V are gathered"
+
+
+def test_in_place_decode_refuses_what_it_cannot_read():
+    """Blocks that are not one run of memory, or a half-precision pool: None, and the backend gathers instead."""
+    query, k_cache, v_cache, meta = make_step([30, 5], [1, 1], 4, 2)
+    k_strided, v_strided = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
+    assert torch_paged.paged_decode_in_place(query, k_strided, v_strided, meta, SCALE) is None
+    torch.testing.assert_close(TorchAttentionBackend().forward(query, k_strided, v_strided, meta, SCALE),
+                               paged_attention_reference(query, k_cache, v_cache, meta, SCALE), **EXACT)
+    half = make_step([30, 5], [1, 1], 4, 2, dtype=torch.float16)
+    assert torch_paged.paged_decode_in_place(*half, SCALE) is None

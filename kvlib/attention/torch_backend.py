@@ -12,7 +12,7 @@ import torch
 
 from kvlib.attention.capabilities import FLOAT_DTYPES, BackendCapabilities
 from kvlib.attention.metadata import AttentionMetadata
-from kvlib.attention.torch_paged import GatherScratch, paged_attention_mixed, paged_decode_batched
+from kvlib.attention.torch_paged import GatherScratch, paged_attention_mixed, paged_decode
 
 
 def store_kv_reference(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,7 +75,7 @@ class TorchAttentionBackend:
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:
-            return paged_decode_batched(query, k_cache, v_cache, meta, scale, self.scratch)
+            return paged_decode(query, k_cache, v_cache, meta, scale, self.scratch)
         return paged_attention_mixed(query, k_cache, v_cache, meta, scale, self.scratch)
 
     def copy_blocks(self, pool_data: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:

@@ -1,7 +1,8 @@
 """Paged attention in torch that keeps up with a real model on a CPU.
 
 The reference (``torch_backend.paged_attention_reference``) is written to be read; these are
-written to be fast and must agree with it. Two habits make the difference:
+written to be fast and must agree with it. Where K/V are gathered (prefill, and decode on a pool
+the in-place path below refuses), two habits make the difference:
 
 - K/V are copied out of the pool once, as whole blocks of one layer (each block's layer slice is
   one contiguous run, so ``index_select`` moves it with a plain memory copy), and only the blocks
@@ -9,8 +10,13 @@ written to be fast and must agree with it. Two habits make the difference:
 - No further copies: the matmuls read the gathered ``[..., tokens, kv_heads, head_dim]`` tensor
   through strided views, one kv head at a time, so grouped-query attention never repeats K/V.
 
-Decode plans its reads once per step (``decode_groups``, kept in ``meta.derive``) and gathers a
-few megabytes at a time, so what it has just copied is still in cache when the matmuls read it.
+Decode reads K/V in place where the pool's layout allows it (``paged_decode_in_place``, what the
+backend runs on a float32 pool): each layer's cache is one matrix of ``head_dim`` rows over the
+pool's memory, a step's visible positions are a sparse pattern over those rows, and torch's sparse
+kernels compute ``q.k`` at exactly those rows (``sampled_addmm``) and ``embedding_bag`` sums those rows weighted
+by ``p``, with nothing copied. Otherwise it plans its reads once per step (``decode_groups``,
+kept in ``meta.derive``) and gathers a few megabytes at a time, so what it has just copied is still
+in cache when the matmuls read it.
 
 Prefill goes through ``scaled_dot_product_attention`` a chunk of queries at a time, so a call
 holds at most ``SCORE_BUDGET`` scores (or one query's, if more) even where SDPA falls back to
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +38,8 @@ MAX_QUERY_CHUNK = 256  # query tokens per SDPA call at most
 SCORE_BUDGET = 1 << 24  # scores per SDPA call at most (64 MiB in float32): fewer queries when keys are many
 SCRATCH_ELEMENTS = 1 << 22  # elements of each reused gather buffer (16 MiB in float32)
 DECODE_GROUP_BYTES = 4 << 20  # K and V a group of decodes gathers per layer: they stay in cache for the matmuls
+# torch says so once per process on the first sparse CSR tensor; the two kernels used here are tested against the reference
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 
 
 class GatherScratch:
@@ -156,6 +165,84 @@ def _attend_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
+IN_PLACE_DTYPES = (torch.float32,)  # what torch's CPU sparse kernels compute in: sampled_addmm has no half kernels
+
+
+def rows_in_place(cache: torch.Tensor) -> torch.Tensor | None:
+    """One layer's cache ``[blocks, block_size, kv_heads, head_dim]`` as a ``[rows, head_dim]`` view of the pool's
+    memory: kv head ``h`` of token ``o`` in block ``b`` is row ``b * block_rows + o * kv_heads + h``, with
+    ``block_rows = cache.stride(0) // head_dim``. None where the layout or the device does not allow it."""
+    _, _, kv_heads, head_dim = cache.shape
+    stride = cache.stride()
+    if (cache.device.type != "cpu" or cache.dtype not in IN_PLACE_DTYPES or stride[0] % head_dim
+            or tuple(stride[1:]) != (kv_heads * head_dim, head_dim, 1)):
+        return None
+    rows = (cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset()) // head_dim
+    return cache.as_strided((rows, head_dim), (head_dim, 1))
+
+
+@dataclass
+class DecodePattern:
+    """A decode step's visible positions as one sparse matrix over the rows of ``rows_in_place``."""
+
+    crow: torch.Tensor  # [seqs * heads + 1] int64: every row holds ``width`` entries (embedding_bag's offsets)
+    col: torch.Tensor  # [seqs * heads * width] int64, the same for K and V and for every layer
+    bias: torch.Tensor  # [seqs * heads, width] float32: 0 where visible, -inf on the padding
+    zeros: torch.Tensor  # [seqs * heads * width], the values sampled_addmm scales by beta = 0
+
+
+def decode_pattern(meta: AttentionMetadata, block_size: int, block_rows: int, num_heads: int,
+                   kv_heads: int) -> DecodePattern:
+    """Row ``i * heads + q`` (sequence ``i``, query head ``q``) reads kv head ``q // group`` at the positions it
+    sees, ``first .. context_len-1`` (``first`` is 0 without a window), padded to the step's widest by repeating
+    its first position, masked."""
+    _, context_lens = meta.host_lengths
+    lens = meta.context_lens.long()
+    window = meta.sliding_window
+    first = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+    width = max(n if window is None else min(n, window) for n in context_lens)
+    positions = first[:, None] + torch.arange(width, device=lens.device)  # [seqs, width]
+    hidden = positions >= lens[:, None]
+    positions = torch.where(hidden, first[:, None], positions)
+    blocks = meta.block_tables.gather(1, positions // block_size).long()
+    base = blocks * block_rows + (positions % block_size) * kv_heads  # [seqs, width]: kv head 0's rows
+    heads = torch.arange(num_heads, device=lens.device) // (num_heads // kv_heads)
+    col = (base[:, None, :] + heads[None, :, None]).flatten()
+    num_rows = len(context_lens) * num_heads
+    bias = torch.zeros(hidden.shape, device=lens.device).masked_fill_(hidden, float("-inf"))
+    return DecodePattern(torch.arange(num_rows + 1, device=lens.device) * width, col,
+                         bias[:, None, :].expand(-1, num_heads, -1).reshape(num_rows, width), torch.zeros(col.shape))
+
+
+def paged_decode_in_place(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          meta: AttentionMetadata, scale: float) -> torch.Tensor | None:
+    """Decode (one query per sequence) reading K/V where they lie in the pool: ``q.k`` sampled at the visible
+    rows, a dense softmax over them, ``p.v`` summed from the same rows (``embedding_bag``, each row's
+    probabilities its weights); None where ``rows_in_place`` refuses the caches."""
+    k_rows, v_rows = rows_in_place(k_cache), rows_in_place(v_cache)
+    if k_rows is None or v_rows is None or query.dtype != k_cache.dtype or k_cache.stride(0) != v_cache.stride(0):
+        return None
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    block_rows = k_cache.stride(0) // head_dim
+    pattern = meta.derive(f"in-place pattern {block_size} {block_rows} {num_heads} {kv_heads}",
+                          lambda: decode_pattern(meta, block_size, block_rows, num_heads, kv_heads))
+    num_rows = num_seqs * num_heads
+    sampled = torch.sparse_csr_tensor(pattern.crow, pattern.col, pattern.zeros, (num_rows, k_rows.shape[0]),
+                                      check_invariants=False)
+    scores = torch.sparse.sampled_addmm(sampled, query.reshape(num_rows, head_dim), k_rows.T, beta=0.0, alpha=scale)
+    probs = scores.values().view(pattern.bias.shape).add_(pattern.bias).softmax(dim=-1)
+    out = F.embedding_bag(pattern.col, v_rows, pattern.crow[:-1], mode="sum", per_sample_weights=probs.flatten())
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, scratch: GatherScratch | None = None) -> torch.Tensor:
+    """Decode in place where the caches allow it (``paged_decode_in_place``), else in gathered groups."""
+    out = paged_decode_in_place(query, k_cache, v_cache, meta, scale)
+    return paged_decode_batched(query, k_cache, v_cache, meta, scale, scratch) if out is None else out
+
+
 def paged_prefill_sequence(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, context_len: int, scale: float,
                            sliding_window: int | None = None, scratch: GatherScratch | None = None) -> torch.Tensor:
@@ -208,7 +295,7 @@ def paged_attention_mixed(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     decoding = meta.derive("decode rows", lambda: _decode_rows(meta, starts))
     if decoding is not None:
         rows, decode_meta = decoding
-        out[rows] = paged_decode_batched(query[rows], k_cache, v_cache, decode_meta, scale, scratch)
+        out[rows] = paged_decode(query[rows], k_cache, v_cache, decode_meta, scale, scratch)
     for i, n in enumerate(query_lens):
         if n > 1:
             out[starts[i]:starts[i + 1]] = paged_prefill_sequence(
