@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-BENCHES = ("memory", "kernels", "swap", "preemption", "sharing", "scheduler", "engine", "serve")
+BENCHES = ("memory", "kernels", "swap", "preemption", "sharing", "scheduler", "engine", "serve", "peers")
 
 
 def _demo(args) -> int:
