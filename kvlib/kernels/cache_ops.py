@@ -80,7 +80,8 @@ def copy_blocks(pool_data: torch.Tensor, src_ids: Sequence[int] | torch.Tensor,
 
     ``pool_data`` is a pool tensor whose first dimension indexes blocks and whose blocks are each
     contiguous (``[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]``). Pairs run in
-    parallel, so no destination may also be a source or appear twice.
+    parallel, so no destination may also be a source or appear twice. The engine passes int64 device
+    tensors (its pinned id uploads); a list becomes one, with a blocking copy from pageable memory.
     """
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")

@@ -14,8 +14,9 @@ goes through a persistent staging buffer on the device:
 
 The staging buffer has two halves used in turns, so a move larger than a half gathers the next
 chunk while the previous one crosses the link; a half is reused only after the event of its last
-reader. Block ids reach the device through a persistent pinned buffer, one upload per call. Nothing
-here synchronizes the device: ``streams`` (``kvlib.runner.streams``) orders everything with events.
+reader. Block ids reach the device through a persistent pinned buffer (``PinnedIds``), one upload
+per call, as do the runner's copy-on-write ids and forked samples' rows. Nothing here synchronizes
+the device: ``streams`` (``kvlib.runner.streams``) orders everything with events.
 """
 from __future__ import annotations
 
@@ -36,6 +37,38 @@ def host_runs(host_ids: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+class PinnedIds:
+    """Rows of int64 ids bound for the device, written into a persistent pinned buffer and uploaded in one
+    non-blocking copy per call.
+
+    A device tensor built from a Python list is a blocking copy from pageable memory: the host
+    stalls until the device has taken it. Here the host writes the pinned row and the copy is queued
+    on the compute stream, ahead of the work that reads it. A row is rewritten only after its last
+    upload has left it (an earlier step's, long done). On a CPU the host buffer is the device's.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device, streams):
+        self.streams, self.width = streams, width
+        on_host = device.type == "cpu"
+        self.host = torch.zeros(rows, width, dtype=torch.int64, pin_memory=not on_host)
+        self.host_np = self.host.numpy()
+        self.device = self.host if on_host else torch.zeros_like(self.host, device=device)
+        self.uploaded = [streams.compute.record() for _ in range(rows)]
+
+    def upload(self, row: int, ids) -> torch.Tensor:
+        """``ids`` as a device tensor (a view of the row, valid until the row's next upload)."""
+        count = len(ids)
+        if count > self.width:
+            raise ValueError(f"{count} ids do not fit a row of {self.width}")
+        self.uploaded[row].synchronize()
+        self.host_np[row, :count] = ids
+        if self.device is not self.host:
+            with self.streams.compute:
+                self.device[row, :count].copy_(self.host[row, :count], non_blocking=True)
+            self.uploaded[row] = self.streams.compute.record()
+        return self.device[row, :count]
+
+
 class StagedTransfer:
     """Block moves between one device pool and pinned host pools of the same block shape."""
 
@@ -49,10 +82,7 @@ class StagedTransfer:
         self.halves = [torch.empty((half, *data.shape[1:]), dtype=data.dtype, device=data.device) for _ in range(2)]
         self.released = [streams.compute.record() for _ in range(2)]  # after each half's last reader
         self.turn = 0
-        pinned = data.device.type == "cuda"
-        self.ids_host = torch.zeros(2, data.shape[0], dtype=torch.int64, pin_memory=pinned)
-        self.ids_device = torch.zeros(2, data.shape[0], dtype=torch.int64, device=data.device)
-        self.uploaded = [streams.compute.record() for _ in range(2)]
+        self.ids = PinnedIds(2, data.shape[0], data.device, streams)
 
     @property
     def staging_bytes(self) -> int:
@@ -62,7 +92,7 @@ class StagedTransfer:
         """Device blocks ``device_ids`` into blocks ``host_ids`` of the pinned host pool tensor ``host``."""
         compute, copy = self.streams.compute, self.streams.copy
         pairs = sorted(zip(host_ids, device_ids))
-        ids = self._upload(OUT, [d for _, d in pairs])
+        ids = self.ids.upload(OUT, [d for _, d in pairs])
         for start, half in self._chunks(len(pairs)):
             count = min(half.shape[0], len(pairs) - start)
             compute.wait(self.released[self.turn])
@@ -80,7 +110,7 @@ class StagedTransfer:
         """Blocks ``host_ids`` of the pinned host pool tensor ``host`` into device blocks ``device_ids``."""
         compute, copy = self.streams.compute, self.streams.copy
         pairs = sorted(zip(host_ids, device_ids))
-        ids = self._upload(IN, [d for _, d in pairs])
+        ids = self.ids.upload(IN, [d for _, d in pairs])
         for start, half in self._chunks(len(pairs)):
             count = min(half.shape[0], len(pairs) - start)
             with copy:
@@ -99,14 +129,3 @@ class StagedTransfer:
         for start in range(0, count, self.halves[0].shape[0]):
             self.turn = 1 - self.turn
             yield start, self.halves[self.turn]
-
-    def _upload(self, row: int, ids: list[int]) -> torch.Tensor:
-        """``ids`` as a device tensor, through the pinned buffer of one direction (its last upload is long done)."""
-        self.uploaded[row].synchronize()
-        count = len(ids)
-        self.ids_host[row, :count] = torch.tensor(ids, dtype=torch.int64)
-        with self.streams.compute:
-            self.ids_device[row, :count].copy_(self.ids_host[row, :count], non_blocking=True)
-        self.uploaded[row] = self.streams.compute.record()
-        return self.ids_device[row, :count]
-

@@ -13,18 +13,27 @@ swaps and the cost probe's timing both call, so the probe measures the path the 
   block's bytes, read once and written once, with nothing staged in between;
 - a GPU pool and a pinned host pool: the pool's :class:`~kvlib.runner.block_transfer.StagedTransfer`,
   a persistent staging buffer and a copy stream ordered by events.
+
+A pinned host pool is ordinary memory of exactly the pool's size, registered with CUDA
+(:func:`pinned_zeros`): torch's pinned allocator rounds every allocation up to a power of two, so
+a 40 GiB pool would pin 64 GiB of the machine's memory. ``KVCachePool.pinned_bytes`` says what
+was pinned.
 """
 from __future__ import annotations
 
 import ctypes
+import math
+import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvlib.runner.block_transfer import StagedTransfer
 from kvlib.runner.streams import streams_for
 
 STAGING_BYTES = 256 * 2**20  # a GPU pool's staging buffer for block transfers (at most the pool itself)
+PAGE_BYTES = 4096  # a registered range starts on a page boundary
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,11 @@ class KVCachePool:
         self.spec = spec
         self.num_blocks = num_blocks
         shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.data = torch.zeros(shape, dtype=spec.dtype, device=device, pin_memory=pin_memory)
+        self.pinned_bytes = 0  # host memory pinned for this pool (page-locked, out of the machine's reach)
+        if pin_memory:
+            self.data, self.pinned_bytes = pinned_zeros(shape, spec.dtype, torch.cuda.cudart())
+        else:
+            self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.transfer = None
         if self.data.device.type == "cuda":
             self.transfer = StagedTransfer(self.data, streams_for(self.data.device), staging_blocks(spec, num_blocks))
@@ -70,6 +83,34 @@ class KVCachePool:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided views)."""
         return self.data[:, index, 0], self.data[:, index, 1]
+
+
+def torch_pinned_bytes(nbytes: int) -> int:
+    """What torch's pinned allocator pins for a request of ``nbytes``: the next power of two."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes else 0
+
+
+def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype, cudart) -> tuple[torch.Tensor, int]:
+    """A zeroed host tensor the GPU copies to and from asynchronously, and the bytes pinned for it.
+
+    Ordinary memory of exactly the tensor's size (page-aligned, zeroed by the kernel as first touched)
+    is registered with ``cudart.cudaHostRegister`` and unregistered when the last view of it is gone.
+    Where registering fails, or torch does not see the memory as pinned (it would then refuse the
+    asynchronous copies), torch's pinned allocator serves it instead, pinning ``torch_pinned_bytes``.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype), 0
+    memory = np.zeros(nbytes + PAGE_BYTES, dtype=np.uint8)
+    offset = -memory.ctypes.data % PAGE_BYTES
+    region = memory[offset:offset + nbytes]
+    if int(cudart.cudaHostRegister(region.ctypes.data, nbytes, 0)) == 0:
+        tensor = torch.from_numpy(region).view(dtype).view(shape)
+        if tensor.is_pinned():
+            weakref.finalize(memory, cudart.cudaHostUnregister, region.ctypes.data)  # once no tensor holds it
+            return tensor, nbytes
+        cudart.cudaHostUnregister(region.ctypes.data)
+    return torch.zeros(shape, dtype=dtype, pin_memory=True), torch_pinned_bytes(nbytes)
 
 
 def staging_blocks(spec: KVCacheSpec, num_blocks: int) -> int:
@@ -99,10 +140,11 @@ def copy_host_blocks(src: KVCachePool, dst: KVCachePool, src_ids: list[int], dst
         ctypes.memmove(dst_base + d * nbytes, src_base + s * nbytes, nbytes)
 
 
-def copy_blocks_reading_first(pool: KVCachePool, src_ids: list[int], dst_ids: list[int]) -> None:
-    """Within one pool, where a destination may also be a source: every source is read before anything is written."""
-    src = torch.tensor(src_ids, dtype=torch.long, device=pool.device)
-    dst = torch.tensor(dst_ids, dtype=torch.long, device=pool.device)
+def copy_blocks_reading_first(pool: KVCachePool, src_ids, dst_ids) -> None:
+    """Within one pool, where a destination may also be a source: every source is read before anything is written.
+    The ids are lists or int64 tensors on the pool's device."""
+    src = torch.as_tensor(src_ids, dtype=torch.long, device=pool.device)
+    dst = torch.as_tensor(dst_ids, dtype=torch.long, device=pool.device)
     pool.data.index_copy_(0, dst, pool.data.index_select(0, src))
 
 

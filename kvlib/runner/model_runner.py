@@ -7,27 +7,29 @@ mean is the scheduler's to record.
 
 On a GPU, before serving, it measures a forward of the largest step to size the pool
 (``memory_profile``, when it is built), then, as the engine asks, launches every kernel variant
-once (``warm_up_kernels``) and captures the decode graphs (``capture_decode_graphs``). Nothing in a step synchronizes the device except reading the sampled
-tokens back, which the scheduler needs.
+once (``warm_up_kernels``) and captures the decode graphs (``capture_decode_graphs``). Nothing in a
+step synchronizes the device except reading the sampled tokens back, which the scheduler needs:
+copy-on-write ids and forked samples' rows go up through pinned buffers (``PinnedIds``), and the
+block moves are timed with events read once they are done (``SpanTimer``).
 """
 from __future__ import annotations
-
-import time
 
 import torch
 
 from kvlib.core.cost_model import PreemptionCostModel
 from kvlib.core.plan import BlockMoves, ScheduledChunk, SchedulerOutput
+from kvlib.runner.block_transfer import PinnedIds
 from kvlib.runner.cost_probe import measure_cost_model
 from kvlib.runner.decode_graphs import CudaGraphCapture, DecodeGraphs, batch_buckets, graph_safe
 from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, copy_blocks_reading_first
 from kvlib.runner.memory_profile import device_blocks_that_fit
 from kvlib.runner.sampler import Sampler
 from kvlib.runner.step_inputs import Chunk, InputBuffers, table_width
-from kvlib.runner.streams import streams_for
+from kvlib.runner.streams import HostStreams, SpanTimer, streams_for
 from kvlib.runner.warm_up import warm_up
 
 CPU_KV_BUDGET_BYTES = 256 * 2**20  # device pool size on a CPU when num_gpu_blocks is None
+COPY_SOURCES, COPY_DESTINATIONS, DRAW_ROWS = range(3)  # rows of the runner's pinned id buffer
 
 
 def chunk_of(planned: ScheduledChunk) -> Chunk:
@@ -65,6 +67,9 @@ class ModelRunner:
         self.gpu_pool = KVCachePool(self.spec, num_gpu_blocks, device)
         self.cpu_pool = KVCachePool(self.spec, num_cpu_blocks, "cpu", pin_memory=on_gpu)
         self.graphs: DecodeGraphs | None = None
+        streams = self.gpu_pool.transfer.streams if self.gpu_pool.transfer is not None else HostStreams()
+        self.ids = PinnedIds(3, max(num_gpu_blocks, max_num_seqs), device, streams)
+        self.move_timer = SpanTimer(streams)  # on the pool's own copy stream
 
     def warm_up_kernels(self) -> None:
         """On a GPU, launch every kernel variant once now, so that none compiles in the middle of a step."""
@@ -88,27 +93,31 @@ class ModelRunner:
         return measure_cost_model(self.model, self.gpu_pool, self.backend)
 
     def execute_moves(self, moves: BlockMoves) -> float:
-        """Carry out a step's block moves in their three phases; returns the seconds the host spent on them
-        (on a GPU the copies then run on, ordered before anything that reads their blocks).
+        """Carry out a step's block moves in their three phases; returns the seconds the moves took, those
+        of this step and earlier ones whose copies are done (``SpanTimer``: on a GPU the copies run on
+        after this returns, ordered before anything that reads their blocks, and are timed by events).
 
         Device to host first, so a device block a swap-out freed can be reused by the later
         phases; then copy-on-write; then host to device, which may read a host block the first
         phase has just written (a prefix block demoted and hit in the same step).
         """
-        if not moves:
-            return 0.0
-        start = time.perf_counter()
-        if moves.to_host:
-            copy_blocks_between(self.gpu_pool, self.cpu_pool, *map(list, zip(*moves.to_host)))
-        if moves.copies:
-            src, dst = map(list, zip(*moves.copies))
-            if set(src) & set(dst):  # a source freed and reused in the same step: read all before writing any
-                copy_blocks_reading_first(self.gpu_pool, src, dst)
-            else:
-                self.backend.copy_blocks(self.gpu_pool.data, src, dst)
-        if moves.to_device:
-            copy_blocks_between(self.cpu_pool, self.gpu_pool, *map(list, zip(*moves.to_device)))
-        return time.perf_counter() - start
+        if moves:
+            start = self.move_timer.start()
+            if moves.to_host:
+                copy_blocks_between(self.gpu_pool, self.cpu_pool, *map(list, zip(*moves.to_host)))
+            if moves.copies:
+                self._copy_on_write(*map(list, zip(*moves.copies)))
+            if moves.to_device:
+                copy_blocks_between(self.cpu_pool, self.gpu_pool, *map(list, zip(*moves.to_device)))
+            self.move_timer.stop(start)
+        return self.move_timer.settled_seconds()
+
+    def _copy_on_write(self, src: list[int], dst: list[int]) -> None:
+        src_ids, dst_ids = self.ids.upload(COPY_SOURCES, src), self.ids.upload(COPY_DESTINATIONS, dst)
+        if set(src) & set(dst):  # a source freed and reused in the same step: read all before writing any
+            copy_blocks_reading_first(self.gpu_pool, src_ids, dst_ids)
+        else:
+            self.backend.copy_blocks(self.gpu_pool.data, src_ids, dst_ids)
 
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Logits ``[sequences completing this step, vocab]``, in plan order."""
@@ -125,5 +134,5 @@ class ModelRunner:
             return []
         rows = [row for _, row in plan.draws]
         if rows != list(range(logits.shape[0])):  # forked samples share their parent's row
-            logits = logits[rows]
+            logits = logits.index_select(0, self.ids.upload(DRAW_ROWS, rows))
         return self.sampler.sample(logits, [seq for seq, _ in plan.draws])
