@@ -67,3 +67,72 @@ def test_a_step_larger_than_the_buffers_is_refused():
         buffers(max_tokens=4).pack([Chunk([1] * 5, 0, [0, 1], sampled=True)], BLOCK_SIZE)
     with pytest.raises(ValueError, match="raise max_model_len"):
         buffers(width=16).pack([Chunk([1], 0, list(range(17)), sampled=True)], BLOCK_SIZE)
+
+
+def with_device_copies(b: InputBuffers) -> InputBuffers:
+    """The buffers with device twins apart from the host buffers, as on a GPU (here CPU tensors), so a pack's copies
+    to the device are what the tables the kernels read hold."""
+    b.device64, b.device32 = torch.zeros_like(b.host64), torch.zeros_like(b.host32)
+    b.device_tables = torch.zeros_like(b.host_tables)
+    return b
+
+
+def random_tables(rng, count: int, width: int, previous: list[list[int]]) -> list[list[int]]:
+    """Tables as serving changes them: kept, grown by a block, copied on write, shortened, moved, replaced."""
+    tables = []
+    for i in range(count):
+        table = list(previous[i]) if i < len(previous) else []
+        move = rng.random()
+        if move < 0.3 and len(table) < width:
+            table.append(rng.randrange(1, 500))
+        elif move < 0.4 and table:
+            table[rng.randrange(len(table))] = rng.randrange(1, 500)
+        elif move < 0.5 and table:
+            del table[rng.randrange(len(table)):]
+        elif move < 0.6:
+            table = [rng.randrange(1, 500) for _ in range(rng.randrange(width + 1))]
+        tables.append(table)
+    if rng.random() < 0.2 and tables:
+        tables.insert(0, tables.pop())  # a sequence finished or joined: the rows after it shift
+    return tables
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tables_written_in_place_are_exactly_a_rebuild(seed):
+    import random
+    rng = random.Random(seed)
+    width, kept, tables = 48, with_device_copies(buffers(max_seqs=8, width=48)), []
+    for _ in range(60):
+        tables = random_tables(rng, rng.randrange(1, 9), width, tables)
+        chunks = [Chunk([1], max(0, 4 * len(t) - 1), t, sampled=True) if t else PADDING for t in tables]
+        packed = kept.pack(chunks, BLOCK_SIZE).meta.block_tables
+        fresh = buffers(max_seqs=8, width=48).pack(chunks, BLOCK_SIZE).meta.block_tables
+        assert torch.equal(packed, fresh)
+
+
+class CopiedEntries(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.int32 = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and args[1].dtype == torch.int32:
+            self.int32 += args[1].numel()
+        if func is torch._foreach_copy_:
+            self.int32 += sum(t.numel() for t in args[1] if t.dtype == torch.int32)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_copies_only_the_table_entries_that_changed():
+    """At 128k tokens a row is 8,192 columns: every step cleared and copied each full row."""
+    b = with_device_copies(buffers(max_seqs=4, width=8192))
+    tables = [list(range(1, 600)), list(range(700, 1000))]
+    b.pack([Chunk([1], 4 * len(t) - 1, t, sampled=True) for t in tables], BLOCK_SIZE)
+    counted = CopiedEntries()
+    with counted:
+        b.pack([Chunk([1], 4 * len(t) - 2, t, sampled=True) for t in tables], BLOCK_SIZE)  # the same blocks
+    assert counted.int32 == 2 * 2 + 1  # context lengths and query starts; no table entry
+    tables[1].append(5)
+    with counted:
+        b.pack([Chunk([1], 4 * len(t) - 4, t, sampled=True) for t in tables], BLOCK_SIZE)
+    assert counted.int32 == 5 + 5 + 1  # and the one block appended

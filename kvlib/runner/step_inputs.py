@@ -1,15 +1,20 @@
 """A step's inputs, packed into buffers that live as long as the engine.
 
 Every step needs the same few integer arrays: token ids, positions, cache slots and the logits rows
-(int64), and per sequence its context length, its first query row and its block table (int32).
-They are written on the host into two persistent buffers, one per integer type, each array a slice
-at an offset fixed by the step's sizes, then moved to the device in two non-blocking copies from
-pinned memory. Fixed addresses are what a CUDA graph needs to replay a step with new inputs, and on a
-CPU the same buffers are used in place, with no copy.
+(int64), and per sequence its context length and its first query row (int32). They are written on
+the host into two persistent buffers, one per integer type, each array a slice at an offset fixed
+by the step's sizes, then moved to the device in two non-blocking copies from pinned memory. Fixed
+addresses are what a CUDA graph needs to replay a step with new inputs, and on a CPU the same
+buffers are used in place, with no copy.
 
 Block tables have a fixed width, enough blocks for the longest sequence the engine admits (rounded
 up to a multiple of 16 so that every row starts on a 64-byte boundary), so their shape and strides,
-which Triton compiles its kernels for, never change from step to step.
+which Triton compiles its kernels for, never change from step to step. That width is 8,192 columns
+at 128k tokens in blocks of 16, most of them zero, so the tables live in a buffer of their own,
+row ``i`` for the step's ``i``-th sequence, kept from step to step: a step writes, and copies to the
+device, only the columns of each row that differ from what the row held (a decode usually changes
+none, or appends one block), and zeroes what a shorter table left behind, so every row is exactly
+what a rebuild from zeros would give.
 
 Single-token sequences (decodes) are packed first, so attention can give them to the decode
 kernel as one slice (``AttentionMetadata.num_decodes``); the logits rows stay in the order of the
@@ -26,6 +31,7 @@ from kvlib.attention.metadata import AttentionMetadata
 from kvlib.runner.streams import HostStreams
 
 TABLE_ALIGN = 16  # block table widths are multiples of this many entries
+MERGE_GAP = 1024  # changed table spans closer than this many entries cross to the device as one copy
 
 
 @dataclass
@@ -64,11 +70,14 @@ class InputBuffers:
         self.streams = streams or HostStreams()
         pinned = self.device.type == "cuda"
         self.host64 = torch.zeros(3 * max_num_tokens + max_num_seqs, dtype=torch.int64, pin_memory=pinned)
-        self.host32 = torch.zeros(2 * max_num_seqs + 1 + max_num_seqs * width, dtype=torch.int32, pin_memory=pinned)
-        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.host32 = torch.zeros(2 * max_num_seqs + 1, dtype=torch.int32, pin_memory=pinned)
+        self.host_tables = torch.zeros(max_num_seqs, width, dtype=torch.int32, pin_memory=pinned)
+        self.np64, self.np32, self.np_tables = self.host64.numpy(), self.host32.numpy(), self.host_tables.numpy()
+        self.table_lens = [0] * max_num_seqs  # columns of each row that may be non-zero
         on_host = self.device.type == "cpu"
         self.device64 = self.host64 if on_host else torch.zeros_like(self.host64, device=self.device)
         self.device32 = self.host32 if on_host else torch.zeros_like(self.host32, device=self.device)
+        self.device_tables = self.host_tables if on_host else torch.zeros_like(self.host_tables, device=self.device)
         self.copied = self.streams.compute.record()  # after the last copy out of the host buffers
 
     def pack(self, chunks: list[Chunk], block_size: int, sliding_window: int | None = None,
@@ -93,10 +102,11 @@ class InputBuffers:
         sampled = [packed_row[i] for i, c in enumerate(chunks) if c.sampled]
         self.np64[n64:n64 + len(sampled)] = sampled
         n32, context_lens = self._pack_sequences([chunks[i] for i in order])
-        self._copy_to_device(n64 + len(sampled), n32)
-        t, s, w = num_tokens, num_seqs, self.width
+        spans = self._pack_tables([chunks[i].block_table for i in order])
+        self._copy_to_device(n64 + len(sampled), n32, spans)
+        t, s = num_tokens, num_seqs
         meta = AttentionMetadata(
-            slot_mapping=self.device64[2 * t:3 * t], block_tables=self.device32[2 * s + 1:2 * s + 1 + s * w].view(s, w),
+            slot_mapping=self.device64[2 * t:3 * t], block_tables=self.device_tables[:s],
             context_lens=self.device32[:s], query_start=self.device32[s:2 * s + 1],
             max_query_len=max(len(c.token_ids) for c in chunks),
             max_context_len=max(context_lens) if max_context_len is None else max_context_len,
@@ -125,25 +135,47 @@ class InputBuffers:
         return 3 * num_tokens
 
     def _pack_sequences(self, chunks: list[Chunk]) -> tuple[int, list[int]]:
-        """Context lengths, query starts and zero-padded block tables in the int32 buffer; returns its length."""
-        s, w = len(chunks), self.width
+        """Context lengths and query starts in the int32 buffer; returns its length."""
+        s = len(chunks)
         context_lens = [c.start + len(c.token_ids) for c in chunks]
         self.np32[:s] = context_lens
         self.np32[s] = 0
         self.np32[s + 1:2 * s + 1] = np.cumsum([len(c.token_ids) for c in chunks])
-        tables = self.np32[2 * s + 1:2 * s + 1 + s * w].reshape(s, w)
-        tables.fill(0)
-        for row, chunk in zip(tables, chunks):
-            if len(chunk.block_table) > w:
-                raise ValueError(f"a sequence holds {len(chunk.block_table)} blocks, more than the {w} a block table "
-                                 f"has room for; raise max_model_len")
-            row[:len(chunk.block_table)] = chunk.block_table
-        return 2 * s + 1 + s * w, context_lens
+        return 2 * s + 1, context_lens
 
-    def _copy_to_device(self, n64: int, n32: int) -> None:
+    def _pack_tables(self, tables: list[list[int]]) -> list[tuple[int, int]]:
+        """Write each row's changed columns; returns the changed ``(start, end)`` spans of the flat table buffer,
+        those closer than ``MERGE_GAP`` merged."""
+        w, spans = self.width, []
+        for row, table in enumerate(tables):
+            n, held = len(table), self.table_lens[row]
+            if n > w:
+                raise ValueError(f"a sequence holds {n} blocks, more than the {w} a block table has room for; "
+                                 f"raise max_model_len")
+            line = self.np_tables[row]
+            differs = np.flatnonzero(line[:n] != np.asarray(table, dtype=np.int32))
+            lo, hi = (int(differs[0]), int(differs[-1]) + 1) if differs.size else (n, n)
+            line[lo:hi] = table[lo:hi]
+            if held > n:  # a shorter table than the row held: zero what it left behind
+                line[n:held] = 0
+                lo, hi = min(lo, n), held
+            self.table_lens[row] = n
+            if lo < hi:
+                start, end = row * w + lo, row * w + hi
+                if spans and start - spans[-1][1] < MERGE_GAP:
+                    spans[-1] = (spans[-1][0], end)
+                else:
+                    spans.append((start, end))
+        return spans
+
+    def _copy_to_device(self, n64: int, n32: int, table_spans: list[tuple[int, int]]) -> None:
         if self.device64 is self.host64:
             return
+        host, device = self.host_tables.view(-1), self.device_tables.view(-1)
         with self.streams.compute:
             self.device64[:n64].copy_(self.host64[:n64], non_blocking=True)
             self.device32[:n32].copy_(self.host32[:n32], non_blocking=True)
+            if table_spans:
+                torch._foreach_copy_([device[a:b] for a, b in table_spans], [host[a:b] for a, b in table_spans],
+                                     non_blocking=True)
         self.copied = self.streams.compute.record()
