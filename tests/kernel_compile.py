@@ -11,7 +11,9 @@ arguments equal to 1 become constants, multiples of 16 and the (16-byte aligned)
 a divisibility hint, except for the integers a kernel declares ``do_not_specialize``. Head dim 128 is the largest kvlib's architectures use; smaller head dims
 compile to smaller tiles. For each compiled variant the report gives:
 
-- what ``ptxas -v`` says: registers, spill stores and spill loads;
+- what ``ptxas -v`` says: registers, spill stores and spill loads; and from the compiled kernel's
+  metadata its shared memory (``shared``, bytes) and ``num_warps``, what the split rule's occupancy
+  (``paged_decode.programs_per_sm``) is taken from on a GPU;
 - ``kv_buffers``: the depth of every shared-memory buffer shaped like one K or V tile
   (``ttg.local_alloc`` of ``N x BLOCK_N x HEAD_DIM_PAD``, read from the TTGIR): 1 means each tile's
   copy must land before the tile is computed, 2 or more that the pipeliner double-buffers it;
@@ -66,6 +68,16 @@ def recording(launches: list):
             setattr(module, name, kernel)
 
 
+@contextlib.contextmanager
+def block_n(value: int):
+    from kvlib.kernels import paged_decode
+    saved, paged_decode.BLOCK_N = paged_decode.BLOCK_N, value
+    try:
+        yield
+    finally:
+        paged_decode.BLOCK_N = saved
+
+
 def record_variants() -> list[tuple[str, object, tuple, dict]]:
     """Run every launcher once per variant with the kernels swapped for recorders: ``(label, kernel, args, kwargs)``."""
     from kvlib import kernels
@@ -90,6 +102,10 @@ def record_variants() -> list[tuple[str, object, tuple, dict]]:
             for splits in (1, 3):
                 capture(f"{dtype_name}, {splits} split(s)", lambda: kernels.paged_decode_attention(
                     decode_query, k_cache, v_cache, tables, context_lens, 0.1, max_context_len=200, num_splits=splits))
+            if dtype == torch.bfloat16:  # the tile the issue asked to try: 32 context tokens per loop step
+                with block_n(32):
+                    capture(f"{dtype_name}, 3 split(s), BLOCK_N 32", lambda: kernels.paged_decode_attention(
+                        decode_query, k_cache, v_cache, tables, context_lens, 0.1, max_context_len=200, num_splits=3))
             capture(dtype_name, lambda: kernels.paged_prefill_attention(
                 prefill_query, k_cache, v_cache, tables, context_lens, query_start, 100, 0.1))
             capture(dtype_name, lambda: kernels.store_kv(key, key, k_cache, v_cache, torch.zeros(5, dtype=torch.int64)))
@@ -155,6 +171,7 @@ def compile_all() -> list[dict]:
             compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
                                       target=GPUTarget("cuda", arch, 32), options=options)
             reports.append({"variant": label, "arch": f"sm_{arch}", **ptxas_report(compiled.asm["ptx"], arch),
+                            "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                             **pipeline_report(compiled.asm["ttgir"], constants)})
     return reports
 

@@ -235,3 +235,43 @@ def test_a_failed_registration_falls_back_to_torchs_allocator(monkeypatch):
     monkeypatch.setattr(torch, "zeros", zeros)
     tensor, pinned = pinned_zeros((3, 1000), torch.float32, cudart)
     assert asked == [True] and pinned == torch_pinned_bytes(12000) == 16384 and tensor.shape == (3, 1000)
+
+
+def test_a_graph_bucket_spreads_real_contexts_over_every_split():
+    """A decode graph's bound is max_model_len: 131,072 tokens. A batch of 8 at 4k tokens, 8 kv heads, on an H200
+    holding 3 programs per SM: the rule gives 6 splits, and every split of every sequence holds context (the split
+    length was fixed by the bound, so each context fit in its first split: 64 programs worked of 384)."""
+    from kvlib.kernels import paged_decode
+    H200 = type("Props", (), {"multi_processor_count": 132})
+    import unittest.mock
+    with unittest.mock.patch.object(torch.cuda, "get_device_properties", lambda device: H200):
+        splits = paged_decode.choose_num_splits(8, 8, 131072, torch.device("cuda"), per_sm=3)
+    assert splits == 6
+    assert paged_decode.working_splits(4096, splits) == splits  # each 4k context in 6 splits of 688 tokens
+    assert paged_decode.working_splits(300, splits) == 2  # a short one: splits of at least 256 tokens
+    assert paged_decode.working_splits(4096, 3, min_split=16) == 3
+
+
+def test_occupancy_comes_from_registers_and_shared_memory():
+    """The issue's compile: 108-141 registers and 70 KiB of shared memory at 4 warps fit 3 programs per SM on an H100
+    or H200, not the 4 the rule assumed."""
+    from kvlib.kernels.paged_decode import programs_per_sm
+    hopper = type("Props", (), {"max_threads_per_multi_processor": 2048, "regs_per_multiprocessor": 65536,
+                                "shared_memory_per_multiprocessor": 228 * 1024})
+    assert programs_per_sm(141, 70 * 1024, 4, hopper) == 3  # registers: 14 warps of 141; shared: 3 x 71 KiB
+    assert programs_per_sm(108, 70 * 1024, 4, hopper) == 3  # registers allow 4, shared memory 3
+    assert programs_per_sm(79, 37 * 1024, 4, hopper) == 6  # the BLOCK_N 32 compile
+    assert programs_per_sm(32, 0, 4, hopper) == 16  # threads: 2048 / 128
+    assert programs_per_sm(255, 0, 8, hopper) == 1
+
+
+def test_the_occupancy_of_a_launched_kernel_is_recorded(monkeypatch):
+    from kvlib.kernels import paged_decode
+    hopper = type("Props", (), {"max_threads_per_multi_processor": 2048, "regs_per_multiprocessor": 65536,
+                                "shared_memory_per_multiprocessor": 228 * 1024})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: hopper)
+    monkeypatch.setattr(paged_decode, "_occupancy", {})
+    compiled = type("Compiled", (), {"n_regs": 142, "metadata": type("Meta", (), {"shared": 71680, "num_warps": 4})})
+    paged_decode.record_occupancy(("key",), compiled, torch.device("cuda"))
+    paged_decode.record_occupancy(("interpreted",), None, torch.device("cuda"))
+    assert paged_decode._occupancy == {("key",): 3}

@@ -11,9 +11,11 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 
 def ptxas_missing() -> str | None:
@@ -57,7 +59,29 @@ def test_no_register_spills(reports):
 
 def test_decode_loads_overlap_compute(reports):
     decode = [r for r in reports if r["variant"].startswith("_paged_decode_kernel")]
-    assert len(decode) == 12  # 3 dtypes x plain and split x 2 architectures
+    assert len(decode) == 14  # 3 dtypes x plain and split x 2 architectures, and bfloat16 split at BLOCK_N 32
     for r in decode:
         assert len(r["kv_buffers"]) == 2 and min(r["kv_buffers"]) >= 2, r
         assert r["max_wait_in_flight"] >= 1, r
+
+
+H200 = types.SimpleNamespace(multi_processor_count=132, max_threads_per_multi_processor=2048,
+                             regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472)
+
+
+def test_split_rule_fills_one_wave_of_the_compiled_kernel(reports, capsys, monkeypatch):
+    """The split rule aims at as many programs per multiprocessor as the compiled split kernel fits there (its
+    registers and shared memory on sm_90): a grid of more would run in a second, mostly idle wave."""
+    from kvlib.kernels import paged_decode
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200)
+    for r in reports:
+        if r["variant"].startswith("_paged_decode_kernel") and "3 split" in r["variant"] and r["arch"] == "sm_90":
+            per_sm = paged_decode.programs_per_sm(r["registers"], r["shared"], r["num_warps"], H200)
+            by_registers = H200.regs_per_multiprocessor // (-(-r["registers"] * 32 // 256) * 256) // r["num_warps"]
+            assert per_sm <= by_registers and per_sm * (r["shared"] + 1024) <= H200.shared_memory_per_multiprocessor
+            with capsys.disabled():
+                print(f"\n{r['variant']}: {r['registers']} registers, {r['shared'] / 1024:.0f} KiB shared, "
+                      f"{r['num_warps']} warps: {per_sm} per SM on an H200")
+            for batch, context in [(1, 32768), (8, 4096), (32, 4096), (64, 4096)]:
+                splits = paged_decode.choose_num_splits(batch, 8, context, torch.device("cuda"), per_sm)
+                assert splits == 1 or batch * 8 * splits <= per_sm * H200.multi_processor_count

@@ -143,7 +143,7 @@ SPLIT_GRID = [(1, 2, 4), (16, 1, 3), (16, 4, 7), (32, 2, 2), (32, 4, 5)]  # bloc
 @pytest.mark.parametrize("block_size, group, num_splits", SPLIT_GRID,
                          ids=[f"bs{b}-gqa{g}-splits{n}" for b, g, n in SPLIT_GRID])
 def test_split_decode_matches_reference(block_size, group, num_splits, dtype):
-    # One sequence of 100 tokens fixes the split size; the shorter ones leave trailing splits empty.
+    # Each sequence is cut by its own length; those shorter than 16 tokens a split use fewer splits.
     context_lens = [100] + random_lengths(seed=SPLIT_GRID.index((block_size, group, num_splits)))
     check_decode(context_lens, block_size, group, dtype, num_splits=num_splits)
 
@@ -160,19 +160,36 @@ def test_decode_sliding_window_matches_reference(block_size, group, window, num_
 
 
 def test_split_rule(monkeypatch):
-    """On a fake 132-SM device: splits until about PROGRAMS_PER_SM programs per SM, none under 256 tokens."""
+    """On a fake 132-SM device: splits until one wave of the programs a multiprocessor holds, none under 256 tokens."""
     assert kernels.choose_num_splits(1, 8, 32768, torch.device("cpu")) == 1
     props = types.SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
     cuda = torch.device("cuda")
-    assert kernels.choose_num_splits(1, 8, 32768, cuda) == 64  # 8 programs want 66 splits: capped at MAX_SPLITS
-    assert kernels.choose_num_splits(2, 8, 32768, cuda) == 33  # 16 programs x 33 = 528 = 4 per SM
+    assert kernels.choose_num_splits(1, 8, 32768, cuda, per_sm=4) == 64  # 8 programs want 66 splits: MAX_SPLITS
+    assert kernels.choose_num_splits(2, 8, 32768, cuda, per_sm=4) == 33  # 16 programs x 33 = 528 = 4 per SM
+    assert kernels.choose_num_splits(2, 8, 32768, cuda) == 24  # 3 per SM before a kernel was compiled here
     assert kernels.choose_num_splits(1, 8, 2048, cuda) == 8  # no split shorter than 256 tokens
     assert kernels.choose_num_splits(1, 8, 512, cuda) == 2  # short contexts split too, when the device is idle
     assert kernels.choose_num_splits(1, 8, 500, cuda) == 1
-    assert kernels.choose_num_splits(32, 8, 4096, cuda) == 2  # 256 programs, about 2 per SM, become about 4
-    assert kernels.choose_num_splits(64, 8, 4096, cuda) == 1  # 512 programs already make about 4 per SM
+    assert kernels.choose_num_splits(32, 8, 4096, cuda, per_sm=4) == 2  # 256 programs, about 2 per SM, become 4
+    assert kernels.choose_num_splits(32, 8, 4096, cuda, per_sm=3) == 1  # 512 would be 1.3 waves of 3 per SM
+    assert kernels.choose_num_splits(64, 8, 4096, cuda) == 1
     assert kernels.choose_num_splits(256, 8, 1024, cuda) == 1
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 8])
+def test_each_sequence_splits_its_own_context(num_splits):
+    """A CUDA graph's bound (max_model_len) far above every context: each sequence is cut by its own length
+    (a length fixed by the bound put every context in the first split), and the result stays exact."""
+    context_lens = [300, 17, 1, 160, 95, 64]
+    tables, num_blocks = make_block_tables(context_lens, 16)
+    _, k_cache, v_cache = make_pool(num_blocks, 16, FP32, HEAD_DIM)
+    meta = make_meta(context_lens, [1] * len(context_lens), tables, 16, None)
+    query = randn(len(context_lens), KV_HEADS * 2, HEAD_DIM, dtype=FP32)
+    out = kernels.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, SCALE,
+                                         max_context_len=131072, num_splits=num_splits)
+    expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(out, expected, **TOLERANCE[FP32])
 
 
 def random_prefill_step(seed):

@@ -67,8 +67,8 @@ def gpu_like_splits(monkeypatch):
     monkeypatch.setattr(paged_decode, "MIN_SPLIT_TOKENS", 16)
     monkeypatch.setattr(paged_decode, "MAX_SPLITS", 8)
 
-    def choose(num_seqs, num_kv_heads, max_context_len, device):
-        wanted = paged_decode.PROGRAMS_PER_SM * FAKE_SMS // (num_seqs * num_kv_heads)
+    def choose(num_seqs, num_kv_heads, max_context_len, device, per_sm=None):
+        wanted = paged_decode.DEFAULT_PROGRAMS_PER_SM * FAKE_SMS // (num_seqs * num_kv_heads)
         return max(1, min(wanted, max_context_len // 16, 8))
     monkeypatch.setattr(paged_decode, "choose_num_splits", choose)
 

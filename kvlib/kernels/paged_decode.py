@@ -17,7 +17,15 @@ context costs only its window.
 Long contexts with few sequences leave most of the device idle, so there is a split-KV variant
 (flash-decoding): the visible context is cut into splits, each program attends to one split and
 writes a partial output with its log-sum-exp, and a second kernel merges the splits.
-``choose_num_splits`` holds the rule for when that pays.
+``choose_num_splits`` holds the rule for when that pays: it fixes the split *count*, and each
+sequence's split *length* comes from its own context, in the kernel (``split_length``). A CUDA
+graph replays one count per batch bucket whatever the contexts are, so a batch of 4k-token
+contexts under a bound of 131,072 still spreads over every split (a length fixed by the bound put
+each whole context in the first split and left the other programs idle).
+
+The rule aims at as many programs per multiprocessor as the compiled kernel fits there, read from
+its registers and shared memory (``programs_per_sm``) after its first launch on the device, not a
+constant; ``DEFAULT_PROGRAMS_PER_SM`` (what the sm_90 compile fits) stands in before that.
 """
 from __future__ import annotations
 
@@ -28,22 +36,32 @@ import triton.language as tl
 from kvlib.kernels.attention_tiles import LOG2E, MIN_DOT, attend_tile, kernel_config, kernel_window, load_block_ids
 
 BLOCK_N = 64  # context tokens per loop step
-PROGRAMS_PER_SM = 4  # the split rule aims at this many programs per multiprocessor, to hide memory latency
+DEFAULT_PROGRAMS_PER_SM = 3  # programs of the split kernel one multiprocessor holds, before one was compiled here
 MIN_SPLIT_TOKENS = 256  # shortest split the rule makes, so partial writes and the merge stay small next to the reads
 MAX_SPLITS = 64  # most splits the rule makes
 SPLIT_ALIGN = 16  # split lengths are rounded up to a multiple of this many tokens
-
+MAX_PROGRAMS_PER_SM = 32  # resident blocks per multiprocessor, compute capability 8.0 to 9.0
+REGISTER_GRANULE = 256  # registers are allocated to a warp in units of this many
+RESERVED_SHARED = 1024  # shared memory the driver reserves per resident block (8.0+)
 
 # Integers that change from step to step are not specialized on (1, or a multiple of 16): each new value
 # would otherwise be a new compiled variant in the middle of serving.
-SPLIT_VARYING = ["split_size", "stride_ps", "stride_ph", "stride_pp", "stride_ls", "stride_lh"]
+SPLIT_VARYING = ["num_splits", "min_split", "stride_ps", "stride_ph", "stride_pp", "stride_ls", "stride_lh"]
+_occupancy: dict[tuple, int] = {}  # (device, dtype, group pad, head dim pad, block size) -> programs per SM
+
+
+@triton.jit
+def split_length(visible, num_splits, min_split, ALIGN: tl.constexpr):
+    """Tokens per split of a sequence that sees ``visible`` positions: a ``num_splits``-th of them, rounded up to
+    ``ALIGN``, at least ``min_split`` (so a short context uses fewer splits, the rest returning at once)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(visible, num_splits), ALIGN) * ALIGN, min_split)
 
 
 @triton.jit(do_not_specialize=SPLIT_VARYING)
 def _paged_decode_kernel(
     out_ptr, part_out_ptr, part_lse_ptr,
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr,
-    qk_scale, split_size, window,
+    qk_scale, num_splits, min_split, window,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -54,7 +72,7 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -62,6 +80,7 @@ def _paged_decode_kernel(
     first = tl.maximum(context_len - window, 0)  # the oldest position the query sees
     if SPLIT:
         split = tl.program_id(2)
+        split_size = split_length(context_len - first, num_splits, min_split, ALIGN)
         start = first + split * split_size
         if start >= context_len:
             return
@@ -109,17 +128,17 @@ def _paged_decode_kernel(
 
 @triton.jit(do_not_specialize=SPLIT_VARYING)
 def _merge_splits_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, context_lens_ptr, split_size, window,
+    out_ptr, part_out_ptr, part_lse_ptr, context_lens_ptr, num_splits, min_split, window,
     stride_os, stride_oh, stride_od,
     stride_ps, stride_ph, stride_pp, stride_pd,
     stride_ls, stride_lh, stride_lp,
-    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Weight each split's partial output by its share of the softmax mass, exp2(lse - max lse)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     visible = tl.minimum(tl.load(context_lens_ptr + seq), window)
-    num_valid = (visible + split_size - 1) // split_size
+    num_valid = tl.cdiv(visible, split_length(visible, num_splits, min_split, ALIGN))
     s = tl.arange(0, NUM_SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = s < num_valid
@@ -133,23 +152,56 @@ def _merge_splits_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """How many splits decode should use: enough for ``PROGRAMS_PER_SM`` programs per multiprocessor.
+def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, props) -> int:
+    """Programs of a compiled kernel one multiprocessor holds at once: the least of what its threads, its
+    registers (allocated per warp in ``REGISTER_GRANULE``s) and its shared memory (plus the driver's
+    ``RESERVED_SHARED`` per block) allow. ``props``: ``torch.cuda.get_device_properties``'s fields."""
+    by_threads = props.max_threads_per_multi_processor // (32 * num_warps)
+    per_warp = -(-registers * 32 // REGISTER_GRANULE) * REGISTER_GRANULE
+    by_registers = props.regs_per_multiprocessor // max(per_warp, 1) // num_warps
+    by_shared = (props.shared_memory_per_multiprocessor // (shared_bytes + RESERVED_SHARED) if shared_bytes
+                 else MAX_PROGRAMS_PER_SM)
+    return max(1, min(by_threads, by_registers, by_shared, MAX_PROGRAMS_PER_SM))
+
+
+def record_occupancy(key: tuple, compiled, device: torch.device) -> None:
+    """Note how many programs of a launched kernel fit a multiprocessor, from its compiled registers and
+    shared memory (Triton's ``CompiledKernel``; the interpreter returns none, and nothing is noted)."""
+    registers, metadata = getattr(compiled, "n_regs", None), getattr(compiled, "metadata", None)
+    if key in _occupancy or not registers or metadata is None:
+        return
+    _occupancy[key] = programs_per_sm(registers, metadata.shared, metadata.num_warps,
+                                      torch.cuda.get_device_properties(device))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
+                      per_sm: int | None = None) -> int:
+    """How many splits decode should use: enough for ``per_sm`` programs on each multiprocessor.
 
     The plain kernel launches ``num_seqs * num_kv_heads`` programs, each walking one context. Decode
     waits on memory, and one program per multiprocessor cannot keep enough loads in flight to
-    hide that wait, so the rule aims at ``PROGRAMS_PER_SM`` programs on every multiprocessor: each
-    context (``max_context_len``: the longest visible stretch, the window where there is one) is
-    cut into the most splits that keep the grid within that target, so a grid just short of it is
-    left alone rather than doubled. No split is shorter than ``MIN_SPLIT_TOKENS`` tokens, so the
-    partial results and the merge stay small next to the K/V each split reads, and there are at
-    most ``MAX_SPLITS``. Off CUDA there is no multiprocessor count to fill: the answer is 1.
+    hide that wait, so the rule fills every multiprocessor with as many programs as it holds at
+    once (``per_sm``, the compiled kernel's occupancy, ``DEFAULT_PROGRAMS_PER_SM`` when not known):
+    each context (``max_context_len``: the longest visible stretch, the window where there is one,
+    or a CUDA graph's bound) is cut into the most splits that keep the grid within one such wave,
+    so a grid just short of it is left alone rather than doubled into a second, mostly idle wave.
+    No split is shorter than ``MIN_SPLIT_TOKENS`` tokens, so the partial results and the merge stay
+    small next to the K/V each split reads, and there are at most ``MAX_SPLITS``. Off CUDA there is
+    no multiprocessor count to fill: the answer is 1.
     """
     if device.type != "cuda":
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = PROGRAMS_PER_SM * num_sms // (num_seqs * num_kv_heads)
+    wanted = (per_sm or DEFAULT_PROGRAMS_PER_SM) * num_sms // (num_seqs * num_kv_heads)
     return max(1, min(wanted, max_context_len // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+def working_splits(visible: int, num_splits: int, min_split: int = MIN_SPLIT_TOKENS) -> int:
+    """Splits of a sequence that sees ``visible`` positions that hold any of them: the kernel's ``split_length``
+    worked out on the host (for reports: the programs of a grid that do work)."""
+    share = -(-visible // num_splits)
+    length = max(-(-share // SPLIT_ALIGN) * SPLIT_ALIGN, min_split)
+    return -(-visible // length)
 
 
 def split_warm_up_bounds() -> tuple[int, ...]:
@@ -170,10 +222,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides;
     ``block_tables`` is ``[num_seqs, max_blocks]`` int32 and ``context_lens`` ``[num_seqs]`` int32.
-    ``max_context_len`` must be at least every context length; it sizes the splits and is read
-    from ``context_lens`` (a device sync) when not given. ``num_splits`` forces the split count;
-    None applies ``choose_num_splits``. With ``sliding_window`` ``w``, each query sees only the last
-    ``w`` positions of its context.
+    ``max_context_len`` must be at least every context length; it bounds the split count and is
+    read from ``context_lens`` (a device sync) when not given. ``num_splits`` forces the split
+    count (each sequence cut into that many splits of at least ``SPLIT_ALIGN`` tokens); None applies
+    ``choose_num_splits`` (splits of at least ``MIN_SPLIT_TOKENS``). Each sequence's split length is
+    its own context's share. With ``sliding_window`` ``w``, each query sees only the last ``w``
+    positions of its context.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -189,15 +243,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     span = max(min(max_context_len, window), 1)  # the longest stretch of positions any query sees
+    group = num_heads // num_kv_heads
+    group_pad, head_dim_pad = max(MIN_DOT, triton.next_power_of_2(group)), max(MIN_DOT, triton.next_power_of_2(head_dim))
+    occupancy_key = (query.device, query.dtype, group_pad, head_dim_pad, block_size)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, span, query.device)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, span, query.device, _occupancy.get(occupancy_key))
+        min_split = MIN_SPLIT_TOKENS
     elif num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    split_size = triton.cdiv(triton.cdiv(span, num_splits), SPLIT_ALIGN) * SPLIT_ALIGN
-    num_splits = triton.cdiv(span, split_size)
-
-    group = num_heads // num_kv_heads
-    head_dim_pad = max(MIN_DOT, triton.next_power_of_2(head_dim))
+    else:
+        min_split = SPLIT_ALIGN
+    num_splits = min(num_splits, triton.cdiv(span, min_split))  # none that no sequence could fill
     config = kernel_config(query.dtype)
     split = num_splits > 1
     if split:
@@ -207,21 +263,24 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     else:  # the plain kernel writes ``out`` and never touches the partials
         part_out, part_lse, part_strides = out, out, (0,) * 7
 
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    compiled = _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part_out, part_lse,
         query, k_cache, v_cache, block_tables, context_lens,
-        scale * LOG2E, split_size, window,
+        scale * LOG2E, num_splits, min_split, window,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         *part_strides,
-        GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
+        GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        SPLIT=split, DOT_PRECISION=config.dot_precision, num_warps=config.decode_num_warps,
+        SPLIT=split, DOT_PRECISION=config.dot_precision, ALIGN=SPLIT_ALIGN, num_warps=config.decode_num_warps,
     )
     if split:
+        if query.device.type == "cuda":
+            record_occupancy(occupancy_key, compiled, query.device)
         _merge_splits_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, context_lens, split_size, window,
+            out, part_out, part_lse, context_lens, num_splits, min_split, window,
             *out.stride(), *part_out.stride(), *part_lse.stride(),
             NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            ALIGN=SPLIT_ALIGN,
         )
     return out

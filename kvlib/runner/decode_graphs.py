@@ -10,8 +10,10 @@ it reads, the sizes, and every value the host computed while recording. So:
 - there is one graph per batch-size bucket (1, 2, 4, 8, then multiples of 16, as nano-vllm does),
   and a batch is padded up to its bucket with chunks that store nothing;
 - the metadata's host-side numbers are the bucket's, not the step's: ``max_context_len`` is the
-  engine's ``max_model_len``, so the decode kernel's split count and split size are those of the
-  bucket (``choose_num_splits``); splits past a sequence's end return at once;
+  engine's ``max_model_len``, so the decode kernel's split *count* is the bucket's
+  (``choose_num_splits``), while each sequence's split *length* is worked out in the kernel from
+  its own context, so a batch of short contexts still spreads over every split (splits a short
+  context cannot fill return at once);
 - only a backend whose decode reads nothing back to the host may be captured: one that declares
   ``capabilities.graph_safe`` (the Triton one; ``graph_safe``);
 - a graph ends at the last layer's hidden states, ``[bucket, hidden]``; the language-model head
