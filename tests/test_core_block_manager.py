@@ -236,3 +236,32 @@ def test_the_cached_prefix_reaches_into_the_host_tier():
     running(bm, range(20, 24), "other")  # evicts the cached block to the host tier
     bm.end_step()
     assert [h.on_host for h in bm.cached_prefix(list(range(100, 104)))] == [True]
+
+
+def test_the_plainest_manager_keeps_no_watermark_no_cache_and_no_host_tier():
+    bm = BlockManager(BS, BlockAllocator(2), BlockAllocator(2))
+    assert bm.watermark_blocks == 0 and bm.cache is None and bm.host_tier is None
+    seq = sequence(8)
+    assert bm.can_admit(seq, [], 8, use_watermark=True)  # both blocks: nothing is kept back
+    bm.admit(seq, [])
+    assert bm.prefix_stats.queried_tokens == 0  # no cache: nothing was looked up
+
+
+def test_an_admission_with_prefix_hits_keeps_the_watermark_free_too():
+    bm = manager(gpu=4, enable_prefix_caching=True, watermark_blocks=1)
+    holder = running(bm, 8, "holder")  # two full blocks, cached and in use: a hit shares them
+    bm.register_computed(holder)
+    seq = sequence(12)
+    hits = bm.prefix_hits(seq)
+    assert len(hits) == 2  # one new block needed, two free: the watermark's one must stay free
+    assert bm.can_admit(seq, hits, 12, use_watermark=True)
+    assert not bm.can_admit(seq, hits, 13, use_watermark=True)  # two new blocks would eat the watermark
+    assert bm.can_admit(seq, hits, 13, use_watermark=False)
+
+
+def test_a_readmitted_sequence_is_not_counted_as_a_new_prefix_query():
+    bm = manager(gpu=8, enable_prefix_caching=True)
+    seq = running(bm, 6)
+    queried = bm.prefix_stats.queried_tokens
+    bm.admit(seq, [])  # it already holds blocks (a partial preemption left its head on the device)
+    assert bm.prefix_stats.queried_tokens == queried

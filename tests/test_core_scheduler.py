@@ -252,3 +252,47 @@ def test_a_requester_with_no_block_of_its_own_is_still_its_own_last_resort():
         check_invariants(e)
     assert not e.has_unfinished() and [len(s.output_token_ids) for s in e.requests["r"]] == [2, 2]
     assert offered[0] == [("r", True, 0)]  # its sibling, not yet scheduled, has no unique tail either
+
+
+def test_a_prompt_whose_prefix_is_in_use_is_admitted_on_the_room_its_new_blocks_need():
+    """B shares A's two cached blocks while A runs, so it needs one new block, the pool's last."""
+    e = ModelFreeEngine(EngineConfig(block_size=BS, num_gpu_blocks=4, watermark=0.0, enable_prefix_caching=True))
+    prefix = list(range(1, 9))
+    a = e.add("a", Request(prefix + [9], 3))
+    e.step()  # A's prefill: blocks of 4, 4 and 1 tokens, the two full ones named in the cache
+    b = e.add("b", Request(prefix + [20], 2, arrival=1))
+    e.step()
+    assert b.status is SequenceStatus.RUNNING and b.block_table.blocks[:2] == a.block_table.blocks[:2]
+    assert e.block_manager.device_pool.num_free == 0
+
+
+def test_auto_mode_tells_the_policy_what_each_victim_holds_and_gives_up():
+    """In every preemption (the victim loop's and the release of paused holders), the candidate and the
+    context agree with the sequence: its blocks, whether it runs, the blocks and computed tokens it gives up."""
+    from kvlib.core.preemption import LatestArrivalPolicy
+
+    seen = []
+
+    class Checking(LatestArrivalPolicy):
+        def choose_mode(self, victim, context):
+            seq = victim.seq
+            assert victim.num_blocks == len(seq.block_table)
+            assert victim.running == (seq.status is SequenceStatus.RUNNING)
+            kept = victim.num_blocks - context.num_blocks
+            assert 0 < context.num_blocks <= victim.num_blocks
+            assert context.num_tokens == seq.num_computed_tokens - min(seq.num_computed_tokens, kept * 2)
+            seen.append(victim.running)
+            return "recompute"
+
+    config = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=0, preemption_mode="auto", partial_preemption=True,
+                  max_num_batched_tokens=10, max_num_seqs=4, watermark=0.0)
+    e = ModelFreeEngine(EngineConfig(**config), preemption_policy=Checking())
+    requests = [Request([2, 2], 5, arrival=0), Request([2, 2, 4, 0, 4, 4, 1], 1, arrival=2),
+                Request([2], 10, arrival=3), Request([4, 0, 1, 3, 2], 6, n=2, arrival=4)]
+    for i, request in enumerate(requests):
+        e.add(f"r{i}", request)
+    for _ in range(60):
+        if not e.has_unfinished():
+            break
+        e.step()
+    assert not e.has_unfinished() and True in seen and False in seen  # running victims, and paused holders
