@@ -7,6 +7,10 @@ Record a run on the machine itself (a GPU, say) with::
 It measures the cost model as ``preemption_mode="auto"`` does at start-up, times victims both ways
 and returning conversations both ways with the same functions the lessons use, and appends the
 result to ``kvlib/course/data/measured_costs.json``. Lessons 07 and 09 plot every recorded run.
+
+The GPU check (``bash tools/gpu_check.sh``) measures the same run on the built-in model among its
+parts; ``import_gpu_check`` takes its results file and adds that run to ``runs``, and the check's
+figures and targets, as one entry of ``gpu_checks``, so one GPU run fills both.
 """
 from __future__ import annotations
 
@@ -82,3 +86,23 @@ def save_run(run: MeasuredRun, path: Path = RUNS_PATH) -> None:
     raw = json.loads(Path(path).read_text())
     raw["runs"].append(asdict(run))
     Path(path).write_text(json.dumps(raw, indent=2) + "\n")
+
+
+def import_gpu_check(results_path: Path, path: Path = RUNS_PATH) -> int:
+    """Add a GPU check's results (``gpu_check.jsonl``, one JSON record a line) to the file of recorded runs: its
+    measured run to ``runs``, its preflight, figures, failed checks and targets to ``gpu_checks``. Returns how
+    many runs it added."""
+    records = [json.loads(line) for line in Path(results_path).read_text().splitlines() if line.strip()]
+    kinds = {kind: [r for r in records if r.get("kind") == kind] for kind in
+             ("preflight", "figure", "error", "part", "measured_run")}
+    if not kinds["preflight"]:
+        raise ValueError(f"{results_path} holds no preflight record: it is not a GPU check's results file")
+    runs = [MeasuredRun.from_dict(r["run"]) for r in kinds["measured_run"]]
+    raw = json.loads(Path(path).read_text())
+    raw["runs"].extend(asdict(run) for run in runs)
+    from kvlib.cli.gpu_parts import targets  # read from the figures: a check cut short has no summary
+    raw.setdefault("gpu_checks", []).append({
+        "preflight": kinds["preflight"][0], "parts": kinds["part"], "figures": kinds["figure"],
+        "errors": kinds["error"], "targets": targets(records)})
+    Path(path).write_text(json.dumps(raw, indent=2) + "\n")
+    return len(runs)

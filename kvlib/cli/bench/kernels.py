@@ -121,8 +121,9 @@ def below_kernel_capability(device: torch.device | str = "cuda") -> str | None:
             f"so there is no kernel to measure here")
 
 
-def run_kernel_bench() -> list[dict]:
-    """One row per (dtype, shape, implementation); empty where there is no CUDA device.
+def run_kernel_bench(dtypes: list[torch.dtype] | None = None) -> list[dict]:
+    """One row per (dtype, shape, implementation); empty where there is no CUDA device. ``dtypes``: those timed
+    (``bench_dtypes`` of the engine's when None).
 
     Raises RuntimeError on a GPU below compute capability 8.0.
     """
@@ -150,7 +151,7 @@ def run_kernel_bench() -> list[dict]:
                 "time (us)": ms * 1e3, "K/V GB/s": gbps, peak_column: 100 * gbps / peak if peak else None,
                 "speedup vs sdpa": sdpa_ms / ms}
 
-    for dtype in bench_dtypes(resolve_dtype("auto", device)):
+    for dtype in dtypes or bench_dtypes(resolve_dtype("auto", device)):
         for batch, context in SHAPES:
             paged, sdpa, kv_bytes = decode_case(batch, context, device, dtype)
             shape = f"{batch} x {context:,}"

@@ -1,0 +1,212 @@
+"""The parts of ``tools/gpu_check.py``, each run as ``python -m kvlib.cli.gpu_parts PART RESULTS`` on a GPU.
+
+A part appends one JSON line per figure to the results file as soon as it has it (a part killed
+by its timeout keeps what it measured), and exits non-zero when any of its checks failed.
+``targets`` reads the records back and says, per target, met, not met, or not measured; the
+engine checks are in :mod:`kvlib.cli.gpu_engine_check`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+DECODE_TARGET = 70.0  # % of the device's HBM peak
+SWAP_TARGET = 80.0  # % of one pinned contiguous copy of the same bytes
+ENGINE_TARGET = 1.5  # x transformers' output tokens per second
+GRAPH_SPLIT_TARGET = 1.1  # a decode under a 131,072-token bound, against its real bound: at most this much slower
+SWAP_BLOCK_SIZES = (4, 16, 64)  # tokens per block of a Llama-3-8B-shaped KV block (128 KiB each)
+SPLIT_CASE = (8, 4096, 131072)  # batch, context, the bound a decode graph is captured with
+AUTO_KERNELS = ("triton paged", "triton paged, split-KV")
+
+
+class Results:
+    """Appends records to the results file, one JSON line each, flushed at once."""
+
+    def __init__(self, path: Path | str, part: str):
+        self.path, self.part = Path(path), part
+
+    def add(self, figure: str, value, unit: str, **fields) -> None:
+        self.write({"kind": "figure", "part": self.part, "figure": figure, "value": value, "unit": unit, **fields})
+
+    def error(self, check: str, error: BaseException) -> None:
+        self.write({"kind": "error", "part": self.part, "check": check, "error": f"{type(error).__name__}: {error}"})
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+        print(json.dumps(record, default=str), flush=True)
+
+
+def part_decode(out: Results) -> bool:
+    """Decode bandwidth per shape in the engine's dtype and in float16, then bfloat16 at BLOCK_N 32."""
+    from kvlib.cli.bench.kernels import run_kernel_bench
+    from kvlib.kernels import paged_decode
+    from kvlib.runner.device import resolve_dtype
+    engine_dtype = str(resolve_dtype("auto", torch.device("cuda"))).removeprefix("torch.")
+    for block_n, dtypes in ((paged_decode.BLOCK_N, None), (32, [torch.bfloat16])):
+        saved, paged_decode.BLOCK_N = paged_decode.BLOCK_N, block_n
+        try:
+            for row in run_kernel_bench(dtypes):
+                share = next(v for k, v in row.items() if k.startswith("% of peak"))
+                out.add("decode bandwidth", share, "% of HBM peak", dtype=row["dtype"], shape=row["batch x context"],
+                        kernel=row["kernel"], splits=row["splits"], block_n=block_n, gbps=row["K/V GB/s"],
+                        us=row["time (us)"], engine_dtype=row["dtype"] == engine_dtype and block_n == saved)
+        finally:
+            paged_decode.BLOCK_N = saved
+    return True
+
+
+def part_graph_split(out: Results) -> bool:
+    """A decode graph captured with a 131,072-token bound over 4k-token contexts, against one with their own."""
+    from triton.testing import do_bench
+
+    from kvlib.cli.bench.kernels import NUM_KV_HEADS
+    from kvlib.kernels import paged_decode
+    batch, context, bound = SPLIT_CASE
+    times = {}
+    for name, max_len in (("real", context), ("bound", bound)):
+        run = decode_with_bound(batch, context, max_len)
+        run()  # compiled, outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        times[name] = do_bench(graph.replay, return_mode="median")
+    per_sm = next((n for key, n in paged_decode._occupancy.items() if key[1] == torch.bfloat16), None)
+    splits = paged_decode.choose_num_splits(batch, NUM_KV_HEADS, bound, torch.device("cuda"), per_sm)
+    working = batch * NUM_KV_HEADS * paged_decode.working_splits(context, splits)
+    out.add("graph split", times["bound"] / times["real"], "x the real bound's time", batch=batch, context=context,
+            bound=bound, us_real=times["real"] * 1e3, us_bound=times["bound"] * 1e3, splits=splits, per_sm=per_sm,
+            programs=batch * NUM_KV_HEADS * splits, working_programs=working)
+    return True
+
+
+def decode_with_bound(batch: int, context: int, max_context_len: int):
+    from kvlib.cli.bench.kernels import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS
+    from kvlib.kernels import paged_decode_attention
+    blocks = batch * -(-context // BLOCK_SIZE)
+    pool = torch.randn(blocks, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    tables = torch.randperm(blocks, device="cuda").view(batch, -1).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    return lambda: paged_decode_attention(query, pool[:, 0, 0], pool[:, 0, 1], tables, lens, HEAD_DIM ** -0.5,
+                                          max_context_len=max_context_len)
+
+
+def part_swap(out: Results) -> bool:
+    """Swap both ways at several block sizes against one pinned contiguous copy; the bytes a host pool pins."""
+    from kvlib.cli.bench.swap import block_spec, run_swap_bench
+    from kvlib.runner.kv_cache import KVCachePool, torch_pinned_bytes
+    ok = True
+    for row in run_swap_bench(SWAP_BLOCK_SIZES, total_mib=256, model="llama-3-8b", device="cuda", repeats=5):
+        ok &= row["copied right"]
+        out.add("swap", row["% of contiguous"], "% of a pinned contiguous copy", direction=row["direction"],
+                host_blocks=row["host blocks"], block_size=row["block size"], block_kib=row["block KiB"],
+                gbps=row["scattered GB/s"], contiguous_gbps=row["contiguous GB/s"], copied_right=row["copied right"])
+    spec = block_spec("llama-3-8b", 16, torch.bfloat16)
+    start = time.perf_counter()
+    pool = KVCachePool(spec, 700, "cpu", pin_memory=True)  # 1,400 MiB: torch's allocator would pin 2,048
+    asked = pool.data.nbytes
+    out.add("host pool pinned bytes", pool.pinned_bytes / asked, "x the pool's size", pinned_bytes=pool.pinned_bytes,
+            asked_bytes=asked, torch_allocator_bytes=torch_pinned_bytes(asked),
+            seconds=time.perf_counter() - start)
+    return ok and pool.pinned_bytes == asked
+
+
+def part_throughput(out: Results) -> bool:
+    """kvlib against transformers generate, same workload, device, dtype and KV memory."""
+    from kvlib.cli.bench.engine import Placement, make_workload, run_kvlib, run_transformers
+    from kvlib.model.catalog import resolve_model_folder
+    from kvlib.model.config import ModelConfig
+    folder, placement, budget = resolve_model_folder("default"), Placement.auto(), 65536
+    requests = make_workload(192, 0.5, 200.0, ModelConfig.from_folder(folder).vocab_size)
+    kvlib_row = run_kvlib(folder, requests, budget, block_size=16, placement=placement)
+    out.add("kvlib throughput", kvlib_row["output tokens/s"], "output tokens/s", device=placement.describe(),
+            profile=kvlib_row["profile"])
+    hf_row = run_transformers(folder, requests, budget, placement)
+    out.add("throughput", kvlib_row["output tokens/s"] / hf_row["output tokens/s"], "x transformers",
+            kvlib=kvlib_row["output tokens/s"], transformers=hf_row["output tokens/s"], device=placement.describe(),
+            requests=len(requests), budget_tokens=budget)
+    return True
+
+
+def part_costs(out: Results) -> bool:
+    """The record-run measurement on the built-in model, kept as a run lessons 07 and 09 can show."""
+    from kvlib.course.measured_runs import measure_run
+    name = f"first GPU check, {torch.cuda.get_device_name()}"
+    run = measure_run(name, "default", victim_lengths=[16, 64, 256, 1024], contexts=[64, 256, 1024])
+    out.write({"kind": "measured_run", "part": out.part, "run": asdict(run)})
+    return True
+
+
+def part_kernel_tests(out: Results) -> bool:
+    """The kernel and Triton-engine tests compiled for this GPU, every failure up to 10 reported."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels.py", "tests/test_engine_triton.py",
+                           "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--maxfail=10", "-rf"],
+                          capture_output=True, text=True)
+    print(done.stdout[-6000:], done.stderr[-2000:])
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|error|skipped)", done.stdout)}
+    failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    out.add("kernel tests", counts.get("failed", 0) + counts.get("error", 0) == 0 and counts.get("passed", 0) > 0,
+            "all passed", counts=counts, failures=failures[:10])
+    return done.returncode == 0
+
+
+def part_engine(out: Results) -> bool:
+    from kvlib.cli.gpu_engine_check import run_engine_checks
+    return run_engine_checks(out)
+
+
+PARTS = {"decode": part_decode, "graph-split": part_graph_split, "swap": part_swap, "engine": part_engine,
+         "throughput": part_throughput, "costs": part_costs, "kernel-tests": part_kernel_tests}
+
+
+def target(name: str, value, threshold, at_most: bool = False) -> dict:
+    if value is None or threshold is None:
+        return {"target": name, "value": value, "met": None}
+    if isinstance(threshold, bool):
+        return {"target": name, "value": None, "met": value is threshold}
+    return {"target": name, "value": value, "met": value <= threshold if at_most else value >= threshold}
+
+
+def targets(records: list[dict]) -> list[dict]:
+    """Per target: met, not met, or not measured (``met`` None), from the figures recorded."""
+    figures = [r for r in records if r.get("kind") == "figure"]
+
+    def named(figure: str) -> list[dict]:
+        return [f for f in figures if f["figure"] == figure]
+    decode = [f for f in named("decode bandwidth") if f.get("engine_dtype") and f["kernel"] in AUTO_KERNELS]
+    found = [target(f"decode {f['shape']} {f['dtype']} >= {DECODE_TARGET:g}% of HBM peak", f["value"], DECODE_TARGET)
+             for f in decode] or [target(f"decode >= {DECODE_TARGET:g}% of HBM peak", None, None)]
+    found += [target(f"graph decode under a {f['bound']:,} bound <= {GRAPH_SPLIT_TARGET:g}x its real bound's time",
+                     f["value"], GRAPH_SPLIT_TARGET, at_most=True) for f in named("graph split")] or [
+        target("graph decode under a long bound as fast as under its own", None, None)]
+    found += [target(f"swap {f['direction']} {f['block_kib']:g} KiB blocks, {f['host_blocks']} host blocks >= "
+                     f"{SWAP_TARGET:g}% of a pinned contiguous copy", f["value"], SWAP_TARGET) for f in named("swap")
+              ] or [target(f"swap >= {SWAP_TARGET:g}% of a pinned contiguous copy", None, None)]
+    found += [target("host pool pins exactly its size", f["value"], 1.0, at_most=True)
+              for f in named("host pool pinned bytes")]
+    engine = named("throughput")
+    found.append(target(f"engine >= {ENGINE_TARGET:g}x transformers", engine[-1]["value"] if engine else None,
+                        ENGINE_TARGET))
+    found += [target(f["figure"], f["value"], True) for f in figures if isinstance(f["value"], bool)]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in PARTS:
+        print(f"usage: python -m kvlib.cli.gpu_parts {{{','.join(PARTS)}}} RESULTS_FILE", file=sys.stderr)
+        return 2
+    return 0 if PARTS[argv[0]](Results(argv[1], argv[0])) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
