@@ -30,7 +30,8 @@ def test_tiny_run_without_onnxruntime_genai(checkpoint, monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(peers.importlib.util, "find_spec",
                         lambda name, *a: None if name == "onnxruntime_genai" else real_find_spec(name, *a))
-    opts = peers.PeersOptions(model="tiny", batches=(1, 3), prompt_len=5, new_tokens=6, rounds=2)
+    opts = peers.PeersOptions(model="tiny", batches=(1, 3), prompt_len=5, new_tokens=6, rounds=2,
+                              weight_formats=("float32",))
     engines, missing = peers.build_engines(opts, checkpoint("llama-gqa"))
     assert missing == peers.MISSING_GENAI
     assert [e.name for e in engines] == ["kvlib fp32", "transformers fp32"]

