@@ -278,6 +278,7 @@ def test_auto_mode_tells_the_policy_what_each_victim_holds_and_gives_up():
             seq = victim.seq
             assert victim.num_blocks == len(seq.block_table)
             assert victim.running == (seq.status is SequenceStatus.RUNNING)
+            assert victim.num_shared_blocks == e.block_manager.num_shared(seq)
             kept = victim.num_blocks - context.num_blocks
             assert 0 < context.num_blocks <= victim.num_blocks
             assert context.num_tokens == seq.num_computed_tokens - min(seq.num_computed_tokens, kept * 2)

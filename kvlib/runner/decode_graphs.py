@@ -80,9 +80,8 @@ def graph_safe(backend) -> bool:
 class DecodeGraphs:
     """One recorded decode step per bucket, over ``buffers``; ``run`` replays the smallest bucket that fits."""
 
-    def __init__(self, model, pool, backend, buffers: InputBuffers, block_size: int, max_model_len: int,
-                 buckets: list[int], capture):
-        self.model, self.buffers, self.block_size, self.max_model_len = model, buffers, block_size, max_model_len
+    def __init__(self, model, pool, backend, buffers: InputBuffers, max_model_len: int, buckets: list[int], capture):
+        self.model, self.buffers, self.max_model_len = model, buffers, max_model_len
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         for bucket in sorted(buckets, reverse=True):
             inputs = self._pack([], bucket)
@@ -102,5 +101,4 @@ class DecodeGraphs:
         return self.model.logits(self.replays[bucket]().index_select(0, inputs.logits_rows))
 
     def _pack(self, chunks: list[Chunk], bucket: int):
-        return self.buffers.pack(chunks or [PADDING], self.block_size, self.model.config.sliding_window,
-                                 max_context_len=self.max_model_len, pad_to=bucket)
+        return self.buffers.pack(chunks or [PADDING], max_context_len=self.max_model_len, pad_to=bucket)

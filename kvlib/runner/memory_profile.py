@@ -35,7 +35,7 @@ def forward_peak_bytes(model, backend, spec: KVCacheSpec, buffers: InputBuffers,
     """Device bytes a forward of ``chunks`` allocates at its peak, beyond what was allocated before it."""
     device = buffers.device
     pool = KVCachePool(spec, blocks_needed(chunks), device)
-    inputs = buffers.pack(chunks, spec.block_size, model.config.sliding_window)
+    inputs = buffers.pack(chunks)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)

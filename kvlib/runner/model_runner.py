@@ -56,7 +56,8 @@ class ModelRunner:
         self.max_model_len = max_model_len or config.max_position_embeddings
         self.spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
         self.buffers = InputBuffers(max(max_num_batched_tokens, max_num_seqs), max_num_seqs,
-                                    table_width(self.max_model_len, block_size), device, streams_for(device))
+                                    table_width(self.max_model_len, block_size), device, streams_for(device),
+                                    block_size=block_size, sliding_window=config.sliding_window)
         self.sampler = Sampler(max_num_seqs, device)
         self.buckets = batch_buckets(max_num_seqs)
         on_gpu = device.type == "cuda"
@@ -86,7 +87,7 @@ class ModelRunner:
         ``EagerCapture``); None runs every step eagerly."""
         self.graphs = None  # the old graphs' memory goes back before new ones are recorded
         if capture is not None:
-            self.graphs = DecodeGraphs(self.model, self.gpu_pool, self.backend, self.buffers, self.spec.block_size,
+            self.graphs = DecodeGraphs(self.model, self.gpu_pool, self.backend, self.buffers,
                                        self.max_model_len, self.buckets, capture)
 
     def measure_cost_model(self) -> PreemptionCostModel:
@@ -124,7 +125,7 @@ class ModelRunner:
         chunks = [chunk_of(planned) for planned in plan.scheduled]
         if self.graphs is not None and len(chunks) <= self.graphs.largest and all(len(c.token_ids) == 1 for c in chunks):
             return self.graphs.run(chunks)
-        inputs = self.buffers.pack(chunks, self.spec.block_size, self.model.config.sliding_window)
+        inputs = self.buffers.pack(chunks)
         return self.model(inputs.token_ids, inputs.positions, self.gpu_pool, inputs.meta, self.backend,
                           inputs.logits_rows)
 

@@ -62,10 +62,13 @@ def table_width(max_model_len: int, block_size: int) -> int:
 
 
 class InputBuffers:
-    """The persistent buffers, sized for the largest step: ``max_num_tokens`` tokens of ``max_num_seqs`` sequences."""
+    """The persistent buffers, sized for the largest step: ``max_num_tokens`` tokens of ``max_num_seqs`` sequences,
+    for one pool's ``block_size`` and one model's ``sliding_window`` (None: attention sees every position)."""
 
-    def __init__(self, max_num_tokens: int, max_num_seqs: int, width: int, device: torch.device, streams=None):
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, width: int, device: torch.device, streams=None, *,
+                 block_size: int, sliding_window: int | None = None):
         self.max_num_tokens, self.max_num_seqs, self.width = max_num_tokens, max_num_seqs, width
+        self.block_size, self.sliding_window = block_size, sliding_window
         self.device = torch.device(device)
         self.streams = streams or HostStreams()
         pinned = self.device.type == "cuda"
@@ -80,8 +83,7 @@ class InputBuffers:
         self.device_tables = self.host_tables if on_host else torch.zeros_like(self.host_tables, device=self.device)
         self.copied = self.streams.compute.record()  # after the last copy out of the host buffers
 
-    def pack(self, chunks: list[Chunk], block_size: int, sliding_window: int | None = None,
-             max_context_len: int | None = None, pad_to: int | None = None) -> StepInputs:
+    def pack(self, chunks: list[Chunk], max_context_len: int | None = None, pad_to: int | None = None) -> StepInputs:
         """Write a step's chunks into the buffers and return the device views of them.
 
         ``max_context_len`` overrides the step's longest context with a bound, and ``pad_to`` adds
@@ -96,7 +98,7 @@ class InputBuffers:
         decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         order = decodes + [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
         self.copied.synchronize()  # the previous step's copies have left the host buffers (long ago)
-        n64 = self._pack_tokens([chunks[i] for i in order], block_size, num_tokens)
+        n64 = self._pack_tokens([chunks[i] for i in order], num_tokens)
         rows = np.cumsum([len(chunks[i].token_ids) for i in order]) - 1  # last row of each packed chunk
         packed_row = dict(zip(order, rows.tolist()))
         sampled = [packed_row[i] for i, c in enumerate(chunks) if c.sampled]
@@ -110,11 +112,12 @@ class InputBuffers:
             context_lens=self.device32[:s], query_start=self.device32[s:2 * s + 1],
             max_query_len=max(len(c.token_ids) for c in chunks),
             max_context_len=max(context_lens) if max_context_len is None else max_context_len,
-            sliding_window=sliding_window, num_decodes=len(decodes))
+            sliding_window=self.sliding_window, num_decodes=len(decodes))
         return StepInputs(self.device64[:t], self.device64[t:2 * t], meta, self.device64[n64:n64 + len(sampled)])
 
-    def _pack_tokens(self, chunks: list[Chunk], block_size: int, num_tokens: int) -> int:
+    def _pack_tokens(self, chunks: list[Chunk], num_tokens: int) -> int:
         """Token ids, positions and slots, ``[3, num_tokens]`` at the front of the int64 buffer; returns its length."""
+        block_size = self.block_size
         tokens = self.np64[:num_tokens]
         positions = self.np64[num_tokens:2 * num_tokens]
         slots = self.np64[2 * num_tokens:3 * num_tokens]

@@ -33,13 +33,13 @@ def prefill_blocks(num_tokens: int, block_size: int, num_blocks: int) -> list[in
 
 def warm_up(runner) -> None:
     """Launch every kernel variant once on the runner's own pools and buffers."""
-    block_size, window = runner.spec.block_size, runner.model.config.sliding_window
+    block_size = runner.spec.block_size
     two_tokens = prefill_blocks(2, block_size, runner.gpu_pool.num_blocks)
     mixed = [Chunk([0], 0, [0], sampled=True), Chunk([0, 0], 0, two_tokens, sampled=True)]
     bounds = runner.backend.capabilities.warm_up_decode_bounds
     steps = [(mixed, None)] + [([Chunk([0], 0, [0], sampled=True)], bound) for bound in bounds]
     for chunks, bound in steps:
-        inputs = runner.buffers.pack(chunks, block_size, window, max_context_len=bound)
+        inputs = runner.buffers.pack(chunks, max_context_len=bound)
         runner.model(inputs.token_ids, inputs.positions, runner.gpu_pool, inputs.meta, runner.backend,
                      inputs.logits_rows)
     if runner.gpu_pool.num_blocks > 1:
