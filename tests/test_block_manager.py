@@ -26,7 +26,7 @@ def computed(seq: Sequence, end: int) -> None:
 
 def test_grow_takes_the_missing_blocks_only():
     bm, seq = manager(), sequence(10)
-    assert bm.blocks_to_grow(seq, 10) == 3 and bm.can_grow(seq, 10)
+    assert bm.blocks_to_grow(seq, 10) == 3 and bm.shortfall(seq, 10) == 0
     bm.grow(seq, 10)
     computed(seq, 10)
     assert len(seq.block_table) == 3 and bm.device_pool.num_free == 13

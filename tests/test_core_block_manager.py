@@ -45,12 +45,12 @@ def test_growing_is_allowed_exactly_up_to_the_free_blocks():
     bm = manager(gpu=4)
     holder = running(bm, 8)  # 2 of 4 blocks
     seq = sequence(9)
-    assert bm.blocks_to_grow(seq, 9) == 3 and not bm.can_grow(seq, 9)
-    assert bm.blocks_to_grow(seq, 8) == 2 and bm.can_grow(seq, 8)
+    assert bm.blocks_to_grow(seq, 9) == 3 and bm.shortfall(seq, 9) == 1  # what preemption must free
+    assert bm.blocks_to_grow(seq, 8) == 2 and bm.shortfall(seq, 8) == 0
     bm.grow(seq, 8)
     assert bm.device_pool.num_free == 0 and len(seq.block_table) == 2
     seq.num_computed_tokens = 7
-    assert bm.blocks_to_grow(seq, 8) == 0 and bm.can_grow(seq, 8)  # a write inside its last block
+    assert bm.blocks_to_grow(seq, 8) == 0 and bm.shortfall(seq, 8) == 0  # a write inside its last block
     assert not bm.end_step() and holder.block_table.blocks == [0, 1]
 
 
@@ -74,7 +74,7 @@ def test_cached_blocks_nobody_uses_count_as_free_and_are_taken_last():
     cached_and_released(bm, 9)  # 3 blocks, 2 of them full and cached
     assert bm.device_pool.num_free == 2 and bm.cache.num_evictable == 2 and bm.num_free_blocks == 4
     seq = sequence(range(50, 66))
-    assert bm.blocks_to_grow(seq, 16) == 4 and bm.can_grow(seq, 16)
+    assert bm.blocks_to_grow(seq, 16) == 4 and bm.shortfall(seq, 16) == 0
     assert bm.can_admit(seq, [], 16, use_watermark=False)
     assert not bm.can_admit(sequence(range(50, 67)), [], 17, use_watermark=False)
     bm.grow(seq, 16)

@@ -1,7 +1,7 @@
 """The block manager: which KV blocks each sequence holds, on the device and in the host pool.
 
 It is the mechanism under the scheduler's policy. The scheduler asks predicate/action pairs
-(``can_admit``/``admit``, ``can_grow``/``grow``, ``can_swap_in``/``swap_in``, ``swap_out``,
+(``can_admit``/``admit``, ``shortfall``/``grow``, ``can_swap_in``/``swap_in``, ``swap_out``,
 ``drop``, ``fork``) and never touches a reference count; the block manager owns both pools' allocators
 (``device_pool``, ``host_pool``), the prefix cache with its host tier, and block sharing. It moves no bytes either:
 each action adds the copies it implies to the step's :class:`~kvlib.core.plan.BlockMoves`, which the model runner
@@ -118,9 +118,10 @@ class BlockManager:
         shared = sum(ref_count(blocks[i]) > 1 for i in self._written(seq, end))
         return seq.block_table.num_missing_blocks(end) + shared
 
-    def can_grow(self, seq: Sequence, end: int) -> bool:
-        needed = self.blocks_to_grow(seq, end)
-        return needed == 0 or self.num_free_blocks >= needed  # a decode inside its last block needs none
+    def shortfall(self, seq: Sequence, end: int) -> int:
+        """Device blocks missing for ``seq`` to grow to ``end``: 0 when it can (a decode inside its last block
+        needs none), else what preemption must free. One count answers both questions, so they cannot disagree."""
+        return max(0, self.blocks_to_grow(seq, end) - self.num_free_blocks)
 
     def grow(self, seq: Sequence, end: int) -> None:
         """Make room for positions ``num_computed_tokens .. end-1``: a private copy of any shared block they write."""

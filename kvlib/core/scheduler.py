@@ -124,8 +124,7 @@ class Scheduler:
 
     def make_room(self, seq: Sequence, end: int, out: SchedulerOutput) -> bool:
         """Preempt the policy's victims until ``seq`` can grow to ``end``; False if ``seq`` itself was the victim."""
-        while not self.bm.can_grow(seq, end):
-            shortfall = self.bm.blocks_to_grow(seq, end) - self.bm.num_free_blocks
+        while (shortfall := self.bm.shortfall(seq, end)) > 0:
             victim = self._select_victim(seq, shortfall, out)
             count = victim.num_blocks
             if self.config.partial_preemption and victim.num_unique_tail_blocks:
