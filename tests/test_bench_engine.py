@@ -1,7 +1,11 @@
-"""The engine benchmark serves the same requests both ways and counts only the tokens asked for."""
+"""The engine benchmark serves the same requests with every engine at the same KV slots, counts only the tokens
+asked for, and reports medians of paired rounds against the strongest baseline."""
 import pytest
 
-from kvlib.cli.bench.engine import make_workload, run_kvlib, run_transformers
+import kvlib.cli.bench.engine as bench
+from kvlib.cli.bench.engine import compare, headline, make_workload, row_caps, run_kvlib, run_transformers, summary_rows
+from kvlib.cli.bench.engine_baselines import StaticBatches, has_paged_batching, load_transformers, static_batch
+from kvlib.cli.bench.engine_workload import Placement, Request
 
 
 def test_workload_is_seeded_and_arrives_in_order():
@@ -18,6 +22,7 @@ def test_both_engines_serve_every_request(checkpoint):
     for row in (run_kvlib(folder, requests, budget, block_size=4), run_transformers(folder, requests, budget)):
         assert row["output tokens/s"] * row["wall s"] == pytest.approx(sum(r.max_tokens for r in requests))
         assert 0 <= row["TTFT p50 s"] <= row["E2E p99 s"]
+        assert [len(t) for t in row["tokens"]] == [r.max_tokens for r in requests]  # end of sequence ignored
 
 
 def test_the_step_profile_accounts_for_the_steps(checkpoint):
@@ -27,3 +32,112 @@ def test_the_step_profile_accounts_for_the_steps(checkpoint):
     parts = ("scheduling %", "block moves %", "forward %", "sampling %", "other %")
     assert sum(profile[p] for p in parts) == pytest.approx(100)
     assert 0 < profile["attention %"] < profile["forward %"] and profile["other %"] >= 0
+
+
+def _requests(*shapes):
+    return [Request(arrival, [5] * prompt, new) for arrival, prompt, new in shapes]
+
+
+def test_a_static_batch_never_holds_more_than_the_slots():
+    queue = _requests((0.0, 10, 6), (0.0, 3, 2), (0.0, 20, 4), (0.0, 2, 2), (5.0, 1, 1))
+    assert static_batch(queue, now=1.0, slots=64, max_rows=8) == queue[:2]  # a third row at width 20: 3 * 26 > 64
+    assert static_batch(queue, now=1.0, slots=200, max_rows=8) == queue[:4]  # the fifth has not arrived
+    assert static_batch(queue, now=9.0, slots=200, max_rows=3) == queue[:3]
+    assert static_batch(queue[1:], now=1.0, slots=5, max_rows=8) == queue[1:2]
+
+
+def test_transformers_static_batches_fit_the_budget(checkpoint, monkeypatch):
+    """The longest prompt and the longest output belong to different requests: rows times (longest prompt plus
+    longest output) was up to 1.45x kvlib's pool when the batch size came from the longest request alone."""
+    import transformers
+    padded = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(*args, **kwargs):
+        model = real(*args, **kwargs)
+        generate = model.generate
+
+        def recorded(input_ids, **options):
+            padded.append(input_ids.shape[0] * (input_ids.shape[1] + options["max_new_tokens"]))
+            return generate(input_ids, **options)
+        model.generate = recorded
+        return model
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    requests = _requests((0.0, 10, 2), (0.0, 2, 10), (0.0, 10, 2), (0.0, 2, 10))
+    row = run_transformers(checkpoint("llama-gqa"), requests, 24)
+    assert padded and max(padded[1:]) <= 24  # the first call is the warm-up
+    assert row["KV slots"] == max(padded[1:])
+
+
+def test_row_caps_run_from_the_longest_request_to_the_shortest():
+    requests = _requests((0.0, 10, 6), (0.0, 3, 1)) * 20
+    assert row_caps(requests, 64) == [4, 8, 16]  # 64 // 16 = 4 rows at the longest, 64 // 4 = 16 at the shortest
+    assert row_caps(requests[:6], 64) == [4, 6]  # never more rows than requests
+
+
+def test_a_request_longer_than_the_slots_is_refused_with_the_fix(checkpoint):
+    folder, placement = checkpoint("llama-gqa"), Placement.auto()
+    batches = StaticBatches(load_transformers(folder, placement), 8, 1, "dynamic", placement)
+    with pytest.raises(ValueError, match="needs 12 KV slots.*holds 8.*--budget"):
+        batches.serve(_requests((0.0, 10, 2)))
+
+
+@pytest.fixture(scope="module")
+def report(checkpoint):
+    requests = make_workload(4, 0.05, 1000.0, vocab_size=96)
+    budget = 3 * max(len(r.prompt) + r.max_tokens for r in requests) + 3  # not whole blocks of 4
+    return requests, compare(checkpoint("llama-gqa"), requests, budget, block_size=4, rounds=2, caches=("dynamic",))
+
+
+def test_every_engine_gets_the_same_kv_slots(report):
+    requests, report = report
+    budget = 3 * max(len(r.prompt) + r.max_tokens for r in requests) + 3
+    assert report["slots"] == budget // 4 * 4
+    kvlib, *baselines = report["runs"]
+    assert all(run["KV slots"] == report["slots"] for run in report["runs"][kvlib])
+    for name in baselines:
+        for run in report["runs"][name]:
+            if name.startswith("transformers paged"):
+                assert run["KV slots"] == report["slots"]  # read from the paged cache transformers built
+            else:
+                assert 0 < run["KV slots"] <= report["slots"]  # the largest padded batch it ran
+    assert all(0 < row["KV slots"] <= report["slots"] for row in report["tuning"])
+
+
+def test_the_report_pairs_rounds_and_quotes_the_strongest_baseline(report, checkpoint):
+    requests, report = report
+    kvlib, *baselines = report["runs"]
+    paged = has_paged_batching(load_transformers(checkpoint("llama-gqa"), Placement.auto()))
+    assert kvlib == report["kvlib"] and len(baselines) == 1 + paged
+    assert all(len(runs) == report["rounds"] == 2 for runs in report["runs"].values())
+    speeds = {name: [r["output tokens/s"] for r in report["runs"][name]] for name in baselines}
+    assert report["strongest"] == max(baselines, key=lambda name: sum(speeds[name]))  # two rounds: median = mean
+    for name in baselines:
+        ratios = [a["output tokens/s"] / b["output tokens/s"]
+                  for a, b in zip(report["runs"][kvlib], report["runs"][name])]
+        assert report["paired"][name] == {"median": pytest.approx(sum(ratios) / 2), "min": min(ratios),
+                                          "max": max(ratios)}
+    assert report["tuning"][0]["engine"].startswith("transformers generate (static batches of <=")
+    assert f"{report['paired'][report['strongest']]['median']:.2f}x" in headline(report)
+    assert report["strongest"] in headline(report)
+
+
+def test_every_baseline_writes_kvlibs_greedy_tokens(report):
+    requests, report = report
+    kvlib, *baselines = report["runs"]
+    assert [len(t) for t in report["runs"][kvlib][0]["tokens"]] == [r.max_tokens for r in requests]
+    assert report["agree"] == {name: len(requests) for name in baselines}  # float32, the same weights
+    rows = {row["engine"]: row for row in summary_rows(report)}
+    assert all(rows[name]["greedy = kvlib"] == f"{len(requests)}/{len(requests)}" for name in baselines)
+
+
+def test_the_command_prints_the_headline(checkpoint, capsys):
+    assert bench.main(["--model", str(checkpoint("llama-gqa")), "--requests", "2", "--scale", "0.02",
+                       "--budget", "256", "--block-size", "4", "--rounds", "1", "--static-caches", "dynamic"]) == 0
+    out = capsys.readouterr().out
+    assert "the strongest baseline" in out and "medians of 1 interleaved rounds" in out and "256 KV token slots" in out
+
+
+def test_rounds_below_one_are_refused():
+    with pytest.raises(SystemExit, match="--rounds must be at least 1, got 0"):
+        bench.main(["--rounds", "0"])

@@ -1,73 +1,55 @@
-"""``kvlib bench engine``: kvlib against transformers ``generate`` with static batches.
+"""``kvlib bench engine``: kvlib against transformers' best batching at exactly the same KV slots.
 
 Same model (the same safetensors folder: ``--model default``, ``smollm2-135m`` or a folder), same
-workload, same KV memory budget, one run:
+workload, same number of KV token slots for every engine:
 
 - the workload is the ShareGPT-like length mix of :mod:`kvlib.cli.bench.workloads`, scaled down by
   ``--scale`` so it runs on a CPU, arriving as a Poisson process at ``--rate`` requests/s;
-- kvlib gets a paged pool of ``budget`` token slots and serves requests as they arrive
-  (continuous batching);
-- transformers gets the same memory as a static reservation: its batch size times its padded
-  length (the workload's longest prompt plus its longest output) is kvlib's pool,
-  ``B = budget // (max prompt + max output)``. A batch starts when the previous one ends, with up
-  to ``B`` requests that have arrived; it is padded to its longest prompt and runs until its
-  longest output is done.
+- kvlib gets a paged pool of ``slots`` token slots (``--budget`` rounded down to whole blocks) and
+  serves requests as they arrive (continuous batching);
+- transformers' static batching gets the same slots: a batch starts when the previous one ends and
+  takes arrived requests in order while its padded size (rows times its longest prompt plus its
+  longest output) fits the slots, up to a row cap. The cap (powers of two up to what fits) and the
+  cache (dynamic or static) are tuned first, one run each, and the fastest enters the rounds: the
+  strongest static batching these slots allow, not one picked to lose;
+- transformers' own paged continuous batching (``generate_batch``'s manager, where the installed
+  transformers has it) gets a paged cache of exactly the same slots in blocks of kvlib's size, and
+  the requests as they arrive.
 
-Both run on the same device in the same dtype, those kvlib picks for itself (``device="auto"``,
-``dtype="auto"``: bfloat16 on a recent GPU, float32 on a CPU), and the report's title names them:
-a transformers baseline left in float32 on the host would say nothing about kvlib on a GPU.
+All run on the same device in the same dtype, those kvlib picks for itself (``device="auto"``,
+``dtype="auto"``: bfloat16 on a recent GPU, float32 on a CPU): a transformers baseline left in
+float32 on the host would say nothing about kvlib on a GPU.
 
-Both count only the tokens each request asked for (``ignore_eos``), report output tokens per
-second over the whole run, time to first token and end-to-end latency per request. For kvlib a
-second table says where its steps spent their time: scheduling (planning and recording), block
-moves, the forward pass and, within it, attention, and sampling.
+Every engine serves the workload ``--rounds`` times, the engines in turns within each round (the
+order reversed every other round), so a machine shared with other work slows all of them alike.
+The report gives each engine's median output tokens/s with its min-max, kvlib's ratio against each
+baseline paired round by round (median, min-max), and the headline against the strongest baseline.
+Every engine counts only the tokens each request asked for (end of sequence ignored), and each
+baseline's greedy tokens are compared with kvlib's request by request. A second table says where
+kvlib's steps spent their time.
 
-On a GPU, ``--compare-graphs`` serves the workload with kvlib twice, decode steps replayed from
-CUDA graphs and launched eagerly, and adds both rows.
+On a GPU, ``--compare-graphs`` also serves with kvlib's CUDA graphs off.
 """
 from __future__ import annotations
 
 import argparse
-import random
+import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from kvlib.cli.bench.engine_baselines import PagedBatches, StaticBatches, has_paged_batching, load_transformers
+from kvlib.cli.bench.engine_workload import (Placement, Request, Served, make_workload, placement_fields,
+                                             require_fits, serve_as_they_arrive, served_row)
 from kvlib.cli.bench.report import format_table
-from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.llm import LLM
-from kvlib.metrics import percentile
 from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.config import ModelConfig
-from kvlib.runner.device import resolve_device, resolve_dtype
 
-
-@dataclass
-class Request:
-    arrival: float  # seconds after the start
-    prompt: list[int]
-    max_tokens: int
-
-
-def make_workload(num_requests: int, scale: float, rate: float, vocab_size: int, seed: int = 0) -> list[Request]:
-    rng = random.Random(seed)
-    clock, requests = 0.0, []
-    for prompt_len, output_len in sharegpt_like_lengths(num_requests, seed=seed, max_len=1024):
-        clock += rng.expovariate(rate)
-        prompt = [rng.randrange(3, vocab_size) for _ in range(max(1, round(prompt_len * scale)))]
-        requests.append(Request(clock, prompt, max(1, round(output_len * scale))))
-    return requests
-
-
-def _latency_row(name: str, tokens: int, elapsed: float, ttfts: list[float], e2es: list[float]) -> dict:
-    ttfts, e2es = sorted(ttfts), sorted(e2es)
-    return {"engine": name, "output tokens/s": tokens / elapsed, "TTFT p50 s": percentile(ttfts, 50),
-            "TTFT p99 s": percentile(ttfts, 99), "E2E p50 s": percentile(e2es, 50), "E2E p99 s": percentile(e2es, 99),
-            "wall s": elapsed}
+__all__ = ["Placement", "Request", "compare", "main", "make_workload", "run_kvlib", "run_transformers"]
 
 
 class StepProfile:
@@ -76,8 +58,7 @@ class StepProfile:
     PARTS = ("scheduling", "block moves", "forward", "attention", "sampling")
 
     def __init__(self, engine):
-        self.seconds = dict.fromkeys(self.PARTS, 0.0)
-        self.step_seconds = 0.0
+        self.reset()
         runner, scheduler = engine.runner, engine.scheduler
         for obj, method, part in [(scheduler, "schedule", "scheduling"), (scheduler, "postprocess", "scheduling"),
                                   (runner, "execute_moves", "block moves"), (runner, "forward", "forward"),
@@ -97,6 +78,9 @@ class StepProfile:
                     self.seconds[part] += time.perf_counter() - start
         return timed
 
+    def reset(self) -> None:
+        self.seconds, self.step_seconds = dict.fromkeys(self.PARTS, 0.0), 0.0
+
     def shares(self) -> dict:
         """Percent of the steps' time in each part (attention is part of the forward pass)."""
         total = self.step_seconds or 1.0
@@ -105,155 +89,177 @@ class StepProfile:
         return shares
 
 
-@dataclass(frozen=True)
-class Placement:
-    """Where both engines run and in what dtype: the same for both, or the comparison says nothing."""
+class KvlibServer:
+    """kvlib built once with a pool of ``slots`` token slots; each ``serve`` is one pass over a workload."""
 
-    device: torch.device
-    dtype: torch.dtype
+    def __init__(self, folder: Path, slots: int, block_size: int, cuda_graphs: bool = True,
+                 placement: Placement | None = None):
+        self.placement = placement or Placement.auto()
+        config = EngineConfig(block_size=block_size, num_gpu_blocks=slots // block_size, max_num_seqs=256,
+                              preemption_mode="recompute", **placement_fields(self.placement))
+        self.llm = LLM(folder, config, verbose=False)
+        self.slots, self.max_batch_tokens = config.num_gpu_blocks * block_size, config.max_num_batched_tokens
+        if not cuda_graphs:
+            self.llm.engine.runner.set_decode_graphs(None)
+        self.llm.generate([[3]], SamplingParams(max_tokens=2))  # warm-up
+        graphs = " + CUDA graphs" if self.llm.engine.runner.graphs is not None else ""
+        self.name = f"kvlib (paged, continuous batching{graphs})"
+        self.profile, self.passes = StepProfile(self.llm.engine), 0
 
-    @classmethod
-    def auto(cls) -> "Placement":
-        """kvlib's own choice with ``device="auto"``, ``dtype="auto"``."""
-        device = resolve_device("auto")
-        return cls(device, resolve_dtype("auto", device))
+    def serve(self, requests: list[Request]) -> Served:
+        """One pass; ``row["profile"]`` holds its step profile (``StepProfile.shares``)."""
+        engine, first_seen = self.llm.engine, {}
+        self.llm.metrics.reset()
+        self.profile.reset()
+        self.passes += 1
 
-    def describe(self) -> str:
-        return f"{self.device.type}, {str(self.dtype).removeprefix('torch.')}"
+        def submit(i, r, arrival):
+            params = SamplingParams(max_tokens=r.max_tokens, ignore_eos=True)
+            engine.add_request(f"{self.passes}-{i}", r.prompt, params, arrival_time=arrival)
 
-
-def _fields(placement: Placement) -> dict:
-    return {"device": placement.device.type, "dtype": str(placement.dtype).removeprefix("torch.")}
+        def poll():
+            outs, ready = engine.step(), []
+            now = time.perf_counter()
+            for out in outs:
+                i = int(out.request_id.split("-")[1])
+                first_seen.setdefault(i, now)
+                if out.finished:
+                    ready.append((i, now, first_seen[i], list(out.token_ids)))
+            return ready
+        served = serve_as_they_arrive(requests, submit, poll, engine.has_unfinished_requests)
+        row = served_row(self.name, requests, served, self.slots)
+        row.update(placement_fields(self.placement), preemptions=self.llm.metrics.num_preemptions,
+                   profile=self.profile.shares())
+        return row
 
 
 def run_kvlib(folder: Path, requests: list[Request], budget_tokens: int, block_size: int,
-              cuda_graphs: bool = True, placement: Placement | None = None) -> dict:
-    """kvlib's row; ``row["profile"]`` holds its step profile (``StepProfile.shares``)."""
-    placement = placement or Placement.auto()
-    config = EngineConfig(block_size=block_size, num_gpu_blocks=budget_tokens // block_size,
-                          max_num_seqs=256, preemption_mode="recompute", **_fields(placement))
-    llm = LLM(folder, config, verbose=False)
-    engine = llm.engine
-    if not cuda_graphs:
-        engine.runner.set_decode_graphs(None)
-    llm.generate([requests[0].prompt], SamplingParams(max_tokens=2))  # warm-up
-    llm.metrics.reset()
-    profile = StepProfile(engine)
-    start, pending, first, done = time.perf_counter(), list(enumerate(requests)), {}, {}
-    while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while pending and pending[0][1].arrival <= now:
-            i, r = pending.pop(0)
-            engine.add_request(str(i), r.prompt, SamplingParams(max_tokens=r.max_tokens, ignore_eos=True),
-                               arrival_time=start + r.arrival)
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[0][1].arrival - now))
-            continue
-        for out in engine.step():
-            t = time.perf_counter() - start
-            first.setdefault(out.request_id, t)
-            if out.finished:
-                done[out.request_id] = t
-    elapsed = time.perf_counter() - start
-    ttfts = [first[str(i)] - r.arrival for i, r in enumerate(requests)]
-    e2es = [done[str(i)] - r.arrival for i, r in enumerate(requests)]
-    graphs = " + CUDA graphs" if engine.runner.graphs is not None else ""
-    row = _latency_row(f"kvlib (paged, continuous batching{graphs})", sum(r.max_tokens for r in requests), elapsed,
-                       ttfts, e2es)
-    row.update(_fields(placement), preemptions=llm.metrics.num_preemptions, profile=profile.shares())
-    return row
-
-
-class FirstTokenTimer:
-    """A ``generate`` streamer that notes when the first new tokens arrive (its first call is the prompt)."""
-
-    def __init__(self):
-        self.calls, self.first_token = 0, None
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            self.first_token = time.perf_counter()
-
-    def end(self) -> None:
-        pass
+              cuda_graphs: bool = True, placement: Placement | None = None) -> Served:
+    """kvlib's row for one pass; ``row["profile"]`` holds its step profile (``StepProfile.shares``)."""
+    return KvlibServer(folder, budget_tokens, block_size, cuda_graphs, placement).serve(requests)
 
 
 def run_transformers(folder: Path, requests: list[Request], budget_tokens: int,
-                     placement: Placement | None = None) -> dict:
-    """transformers' row, its model and every batch on ``placement``'s device in its dtype."""
-    import transformers
+                     placement: Placement | None = None) -> Served:
+    """transformers' static batches for one pass, as many rows as fit the budget at the workload's longest request,
+    its model and every batch on ``placement``'s device in its dtype."""
     placement = placement or Placement.auto()
-    device = placement.device
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=placement.dtype).to(device).eval()
-    batch_size = max(1, budget_tokens // max(len(r.prompt) + r.max_tokens for r in requests))
-    pad = 0
-    model.generate(torch.tensor([requests[0].prompt], device=device), max_new_tokens=2, do_sample=False,
-                   pad_token_id=pad)  # warm-up
-    start, queue, ttfts, e2es = time.perf_counter(), list(requests), [], []
-    while queue:
-        now = time.perf_counter() - start
-        if queue[0].arrival > now:
-            time.sleep(queue[0].arrival - now)
-            now = queue[0].arrival
-        batch = [r for r in queue if r.arrival <= now][:batch_size]
-        del queue[:len(batch)]
-        width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device)
-        new = max(r.max_tokens for r in batch)
-        timer = FirstTokenTimer()
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=pad, streamer=timer)
-        end = time.perf_counter() - start
-        ttfts.extend(timer.first_token - start - r.arrival for r in batch)
-        e2es.extend(end - r.arrival for r in batch)
-    elapsed = time.perf_counter() - start
-    row = _latency_row(f"transformers generate (static batches of {batch_size})",
-                       sum(r.max_tokens for r in requests), elapsed, ttfts, e2es)
-    row.update(_fields(placement), preemptions=0)
-    return row
+    rows = max(1, budget_tokens // max(len(r.prompt) + r.max_tokens for r in requests))
+    model = load_transformers(folder, placement)
+    return StaticBatches(model, budget_tokens, rows, "dynamic", placement).serve(requests)
+
+
+def row_caps(requests: list[Request], slots: int) -> list[int]:
+    """Static batch row caps worth trying: from as many rows as fit at the longest request to as many as fit at the
+    shortest (never more than the workload's requests), by powers of two."""
+    fit = min(len(requests), max(1, slots // max(len(r.prompt) + r.max_tokens for r in requests)))
+    most = min(len(requests), max(fit, slots // min(len(r.prompt) + r.max_tokens for r in requests)))
+    return sorted({fit, most} | {2 ** k for k in range(most.bit_length()) if fit <= 2 ** k <= most})
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def compare(folder: Path, requests: list[Request], budget: int, block_size: int, rounds: int,
+            placement: Placement | None = None, caches: tuple[str, ...] = ("dynamic", "static"),
+            compare_graphs: bool = False) -> dict:
+    """Tunes transformers' static batching, then serves the workload ``rounds`` times with every engine in turns.
+    Returns the engines (their rows of every round), kvlib's paired ratios against each baseline, the greedy
+    agreement and the strongest baseline."""
+    placement = placement or Placement.auto()
+    kvlib = KvlibServer(folder, budget, block_size, placement=placement)
+    slots = kvlib.slots
+    require_fits(requests, slots)
+    model = load_transformers(folder, placement)
+    tuning = [StaticBatches(model, slots, rows, cache, placement)
+              for rows in row_caps(requests, slots) for cache in caches]
+    tuned = [(candidate, candidate.serve(requests)) for candidate in tuning]
+    best_static = max(tuned, key=lambda pair: pair[1]["output tokens/s"])[0]
+    engines = [kvlib, best_static] + ([PagedBatches(model, slots, block_size, kvlib.max_batch_tokens, placement)]
+                                      if has_paged_batching(model) else [])
+    if compare_graphs and torch.cuda.is_available():
+        engines.insert(1, KvlibServer(folder, budget, block_size, cuda_graphs=False, placement=placement))
+    runs = {engine.name: [] for engine in engines}
+    for k in range(rounds):
+        for engine in (engines if k % 2 == 0 else engines[::-1]):
+            runs[engine.name].append(engine.serve(requests))
+    baselines = [e.name for e in engines if not isinstance(e, KvlibServer)]
+    reference = runs[kvlib.name][0]["tokens"]
+    paired = {name: _spread([a["output tokens/s"] / b["output tokens/s"] for a, b in zip(runs[kvlib.name], runs[name])])
+              for name in baselines}
+    strongest = max(baselines, key=lambda name: statistics.median(r["output tokens/s"] for r in runs[name]))
+    return {"slots": slots, "rounds": rounds, "placement": placement, "kvlib": kvlib.name, "runs": runs,
+            "tuning": [{"engine": c.name, "output tokens/s": row["output tokens/s"], "KV slots": row["KV slots"]}
+                       for c, row in tuned],
+            "paired": paired, "strongest": strongest,
+            "agree": {name: sum(a == b for a, b in zip(reference, runs[name][0]["tokens"])) for name in baselines}}
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """One row per engine: medians over the rounds with min-max, slots, greedy agreement, kvlib's paired ratio."""
+    rows = []
+    for name, runs in report["runs"].items():
+        speed = _spread([r["output tokens/s"] for r in runs])
+        row = {"engine": name, "output tokens/s": speed["median"], "min-max": f"{speed['min']:.1f}-{speed['max']:.1f}",
+               "TTFT p50 s": statistics.median(r["TTFT p50 s"] for r in runs),
+               "E2E p50 s": statistics.median(r["E2E p50 s"] for r in runs),
+               "E2E p99 s": statistics.median(r["E2E p99 s"] for r in runs), "KV slots": runs[0]["KV slots"]}
+        if name in report["paired"]:
+            ratio = report["paired"][name]
+            row["greedy = kvlib"] = f"{report['agree'][name]}/{len(runs[0]['tokens'])}"
+            row["kvlib x it"] = f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}]"
+        rows.append(row)
+    return rows
+
+
+def headline(report: dict) -> str:
+    ratio, name = report["paired"][report["strongest"]], report["strongest"]
+    return (f"kvlib: {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}] the strongest baseline, {name} "
+            f"(median and min-max of {report['rounds']} paired rounds, every engine at {report['slots']} KV slots)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options of ``kvlib bench engine``."""
+    """The options of ``kvlib bench engine``; the defaults run in a minute or two on a 2-core CPU."""
     parser = argparse.ArgumentParser(prog="kvlib bench engine", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default", help="default, smollm2-135m, or a Hugging Face model folder")
-    parser.add_argument("--requests", type=int, default=48, help="requests in the workload")
+    parser.add_argument("--requests", type=int, default=32, help="requests in the workload")
     parser.add_argument("--scale", type=float, default=0.25, help="multiply the length mix by this")
-    parser.add_argument("--rate", type=float, default=200.0, help="arrivals per second (the default saturates both engines)")
-    parser.add_argument("--budget", type=int, default=4096, help="KV memory budget in token slots")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (kvlib)")
+    parser.add_argument("--rate", type=float, default=200.0,
+                        help="arrivals per second (the default saturates every engine)")
+    parser.add_argument("--budget", type=int, default=4096, help="KV token slots every engine gets (whole blocks)")
+    parser.add_argument("--block-size", type=int, default=16, 
+                        help="tokens per KV block (kvlib and transformers' paged cache)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="passes over the workload per engine, the engines in turns (more on a busy machine)")
+    parser.add_argument("--static-caches", default="dynamic,static",
+                        help="transformers generate caches to tune the static baseline over, comma-separated")
     parser.add_argument("--compare-graphs", action="store_true",
                         help="on a GPU, also serve with decode graphs off (kvlib launches every kernel)")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="serve the workload this many times with each engine, in turns, and keep each engine's "
-                             "fastest run (on a shared machine, the one least slowed by other work)")
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     folder = resolve_model_folder(args.model)
     requests = make_workload(args.requests, args.scale, args.rate, ModelConfig.from_folder(folder).vocab_size)
-    placement = Placement.auto()
-    runs = [lambda: run_transformers(folder, requests, args.budget, placement),
-            lambda: run_kvlib(folder, requests, args.budget, args.block_size, placement=placement)]
-    if args.compare_graphs and torch.cuda.is_available():
-        runs.append(lambda: run_kvlib(folder, requests, args.budget, args.block_size, cuda_graphs=False,
-                                      placement=placement))
-    results = [[run() for run in runs] for _ in range(args.repeats)]
-    rows = [max((r[i] for r in results), key=lambda row: row["output tokens/s"]) for i in range(len(runs))]
-    profiles = [{"engine": row["engine"], **row.pop("profile")} for row in rows[1:]]
-    for row in rows:
-        row["x transformers"] = row["output tokens/s"] / rows[0]["output tokens/s"]
-    best = f", fastest of {args.repeats} runs each, in turns" if args.repeats > 1 else ""
-    print(format_table(rows, f"{len(requests)} requests at {args.rate}/s, lengths x{args.scale}, "
-                             f"KV budget {args.budget} token slots, model {args.model} ({folder.name}), "
-                             f"both engines on {placement.describe()}, {torch.get_num_threads()} thread(s){best}"))
+    report = compare(folder, requests, args.budget, args.block_size, args.rounds,
+                     caches=tuple(args.static_caches.split(",")), compare_graphs=args.compare_graphs)
+    print(format_table(summary_rows(report), f"{len(requests)} requests at {args.rate}/s, lengths x{args.scale}, "
+                       f"{report['slots']} KV token slots each, model {args.model} ({folder.name}), kvlib and "
+                       f"transformers, both engines on {report['placement'].describe()}, {torch.get_num_threads()} "
+                       f"thread(s), medians of {args.rounds} interleaved rounds"))
     print()
-    print(format_table(profiles, "kvlib's steps: share of their time in each part (attention is within forward)"))
+    print(headline(report))
+    print()
+    print(format_table(report["tuning"], "transformers static batching, tuned first (one run each): the fastest "
+                                         "enters the rounds"))
+    print()
+    profiles = [{"engine": name, **runs[0]["profile"]} for name, runs in report["runs"].items() if "profile" in runs[0]]
+    print(format_table(profiles, "kvlib's steps, first round: share of their time in each part "
+                                 "(attention is within forward)"))
     return 0
 
 
