@@ -8,10 +8,12 @@ slow, so smaller weights are most of what a CPU can gain:
   matmul (bf16 dot products, where the CPU has them: ``bf16_dot_products``), its output back in
   float32; norms, attention, the KV cache and the language-model head stay float32.
 - ``"q4_1"``: the projections straight from the GGUF file's Q4_1 blocks (32 weights, a float16
-  scale ``d`` and minimum ``m``: ``w = d * q + m``), never dequantized to float32: repacked for
-  ``torch._weight_int4pack_mm_for_cpu``, which computes ``(q - 8) * scale + zero`` per group of 32,
-  so ``scale = d`` and ``zero = m + 8 d`` (in float32, with float32 activations) hold exactly the
-  file's weights. The embedding (Q8_0 in SmolLM2's file) and the head tied to it stay float32.
+  scale ``d`` and minimum ``m``: ``w = d * q + m``), never dequantized to float32: the file's 4-bit
+  codes repacked for ``torch._weight_int4pack_mm_for_cpu``, which computes ``(q - 8) * scale + zero``
+  per group of 32, so ``scale = d`` and ``zero = m + 8 d``. Its fast kernel takes bfloat16
+  activations, scales and zeros (with float32 ones it is 50x slower than a float32 matmul), so the
+  only loss beyond the file's own quantization is ``d`` and ``zero`` rounded to bfloat16 (a relative
+  2^-9 at most). The embedding (Q8_0 in SmolLM2's file) and the head tied to it stay float32.
 
 ``use_weight_format(model, name, gguf=...)`` swaps the projections of a loaded model in place.
 """
@@ -54,25 +56,30 @@ class BFloat16Linear(nn.Module):
 
 
 class Q4Linear(nn.Module):
-    """A projection held as 4-bit codes in torch's CPU int4 packing, one float32 scale and zero per 32 weights."""
+    """A projection held as 4-bit codes in torch's CPU int4 packing, one bfloat16 scale and zero per 32 weights:
+    float32 in and out, the product in bfloat16."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape  # codes: [out, in] int32 in 0..15
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.int().contiguous(), 1))
-        self.register_buffer("scales_and_zeros", torch.stack((scales.T, zeros.T), dim=-1).float().contiguous())
+        self.register_buffer("scales_and_zeros", torch.stack((scales.T, zeros.T), dim=-1).to(torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_1_GROUP, self.scales_and_zeros)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_1_GROUP, self.scales_and_zeros).float()
         out = out if self.bias is None else out.add_(self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weights ``[out, in]`` it computes with (for tests: the file's own values)."""
-        eye = torch.eye(self.in_features)
-        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, Q4_1_GROUP, self.scales_and_zeros).T
+        """The weights ``[out, in]`` it computes with, in float32 (for tests: the file's, scales in bfloat16)."""
+        codes = torch._weight_int4pack_mm_for_cpu(torch.eye(self.in_features, dtype=torch.bfloat16), self.packed,
+                                                  Q4_1_GROUP, torch.stack((torch.ones_like(self.scales_and_zeros[..., 0]),
+                                                                           torch.full_like(self.scales_and_zeros[..., 0], 8)),
+                                                                          dim=-1)).float().T  # (q - 8) + 8: the codes
+        scales, zeros = (self.scales_and_zeros[..., i].float().T.repeat_interleave(Q4_1_GROUP, 1) for i in (0, 1))
+        return (codes - 8) * scales + zeros
 
 
 def q4_1_parts(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
