@@ -179,7 +179,7 @@ def submission(directory: Path, name: str, edits=(), extra_cells=(), base: Path 
 
 ALLOCATOR_CHEATS = {
     # the answer reached through a string, an object walk, a container, pickling, or its source
-    "string_route": "import importlib\nMyBlockAllocator = getattr(importlib.import_module('kvlib.' + 'block_allocator'), "
+    "string_route": "import importlib\nMyBlockAllocator = getattr(importlib.import_module('kvlib.core.' + 'block_allocator'), "
                     "'Block' + 'Allocator')\n",
     "object_walk": "import gc\nMyBlockAllocator = next(o for o in gc.get_objects() if isinstance(o, type) and "
                    "o.__name__ == 'BlockAllocator' and o.__module__ == 'kvlib.core.block_allocator')\n",

@@ -23,7 +23,8 @@ from kvlib.course.grading.serving import random_tokens
 
 HIDDEN = ("kvlib.kernels.paged_decode:*", "kvlib.kernels.paged_prefill:*", "kvlib.kernels.attention_tiles:attend_tile",
           "kvlib.kernels.attention_tiles:load_block_ids", "kvlib.attention.torch_backend:paged_attention_reference",
-          *(f"kvlib.attention.torch_paged:{f}" for f in ("paged_decode_batched", "_attend_decode", "decode_groups")),
+          *(f"kvlib.attention.torch_paged:{f}" for f in ("paged_decode_batched", "_attend_decode", "decode_groups",
+                                                                 "paged_decode", "paged_decode_in_place", "decode_pattern")),
           "kvlib.course.grading.lab03:_reference_decode")
 kernel, engine = (Task(name, ("paged_decode",), HIDDEN, lambda: _reference_decode) for name in ("kernel", "engine"))
 TASKS = [kernel, engine]
