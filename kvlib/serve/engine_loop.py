@@ -113,8 +113,8 @@ class EngineLoop:
                 self._fail_all(exc)
                 continue
             self.last_error = None
+            self._observe_engine()  # first: a client that has its last token may scrape /metrics at once
             self._hand_out(outputs, added)
-            self._observe_engine()
         self._fail_all(RuntimeError("the server is shutting down"), status=503)
         self._refuse_inbox()
 
