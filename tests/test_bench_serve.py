@@ -28,10 +28,12 @@ def test_a_tiny_run_reports_every_field_and_saves_the_timeline(tmp_path):
     lengths = [m for _, m in serve.workload(6, scale=16, seed=0)]
     assert report["output tokens"] == sum(lengths)
     assert all(report[f] is not None for f in FIELDS if f.endswith(" ms") and not f.startswith("TPOT"))
-    assert report["preemptions"] >= 0 and 0.0 < report["peak KV usage"] <= 1.0
     timeline = json.loads(path.read_text())
     assert len(timeline) >= 2 and set(timeline[0]) == {"seconds", "gpu_cache_usage", "cpu_cache_usage", "running",
                                                         "waiting", "swapped", "preemptions"}
+    # the peak is the samples' own: a run this short may end between two samples, so it may be 0 here
+    assert report["preemptions"] >= 0 and report["peak KV usage"] == max(s["gpu_cache_usage"] for s in timeline)
+    assert 0.0 <= report["peak KV usage"] <= 1.0
     assert timeline[-1]["running"] == timeline[-1]["waiting"] == 0 and timeline[-1]["gpu_cache_usage"] == 0.0
 
 
