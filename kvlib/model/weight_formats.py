@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "q4_1")
+from kvlib.config import WEIGHT_FORMATS
+
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 dot products
 Q4_1_GROUP = 32  # weights per Q4_1 block, and per group of the int4 matmul
 Q4_1_BLOCK_BYTES = 20  # float16 d, float16 m, 16 bytes of 4-bit codes

@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from kvlib.config import ATTENTION_BACKENDS, DEVICES, DTYPES, PREEMPTION_MODES, EngineConfig
+from kvlib.config import ATTENTION_BACKENDS, DEVICES, DTYPES, PREEMPTION_MODES, WEIGHT_FORMATS, EngineConfig
 
 ABOUT = """\
 Serves MODEL over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions (stream=true
@@ -38,9 +38,10 @@ ENGINE_FLAGS = {  # EngineConfig field: its --help text
     "max_model_len": "prompt plus output tokens at most (default: the model's max_position_embeddings)",
     "seed": "seeds the samples of requests that give no seed of their own",
     "metrics_history": "finished requests and steps the engine's metrics keep in memory",
+    "weight_format": "on a CPU, the projections' weights: bfloat16, or q4_1 (a GGUF model's own 4-bit weights)",
 }
 CHOICES = {"preemption_mode": PREEMPTION_MODES, "device": DEVICES, "dtype": DTYPES,
-           "attention_backend": ATTENTION_BACKENDS}
+           "attention_backend": ATTENTION_BACKENDS, "weight_format": WEIGHT_FORMATS}
 OPTIONAL_INTS = ("num_gpu_blocks", "max_model_len", "metrics_history")
 
 

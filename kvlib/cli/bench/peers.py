@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from kvlib.cli.bench.report import format_table
+from kvlib.model.catalog import gguf_source
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16",
              "amx_int8", "amx_tile")
@@ -182,7 +183,7 @@ def build_engines(opts: PeersOptions, folder: Path) -> tuple[list, str | None]:
     """Every engine to time, and why ONNX Runtime GenAI is missing (None when it is there)."""
     from kvlib.model.weight_formats import bf16_dot_products
     max_len = opts.prompt_len + opts.new_tokens
-    gguf, notes = _gguf_of(opts.model), []
+    gguf, notes = gguf_source(opts.model), []
     engines = []
     for fmt in opts.weight_formats:
         if fmt == "bfloat16" and bf16_dot_products() is None:
@@ -202,15 +203,6 @@ def build_engines(opts: PeersOptions, folder: Path) -> tuple[list, str | None]:
         engines.append(GenaiEngine(export_onnx(folder, onnx_dir / precision, precision),
                                    f"onnxruntime-genai {precision}", opts.threads))
     return engines, "; ".join(notes) or None
-
-
-def _gguf_of(model: str) -> Path | None:
-    """The GGUF file a model name or path is converted from, or None (a Hugging Face folder)."""
-    from kvlib.model.catalog import PACKAGED_MODELS
-    if model in PACKAGED_MODELS:
-        return PACKAGED_MODELS[model].locate()[0]
-    path = Path(model)
-    return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
