@@ -31,41 +31,38 @@ def _head(gen: Generation, model: str, obj: str) -> dict:
     return {"id": gen.id, "object": obj, "created": gen.created, "model": model}
 
 
+def _choice(index: int, body: dict, finish_reason: Optional[str], token_ids: Optional[list[int]]) -> dict:
+    """One choice of any response: ``body`` is its text, message or delta, the only key that differs."""
+    item = {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        item["token_ids"] = token_ids
+    return item
+
+
+def _whole(gen: Generation, model: str, obj: str, body, with_token_ids: bool) -> dict:
+    choices = [_choice(index, body(choice.text), choice.finish_reason, choice.token_ids if with_token_ids else None)
+               for index, choice in enumerate(gen.choices)]
+    return {**_head(gen, model, obj), "choices": choices, "usage": usage(gen)}
+
+
 def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
-    choices = []
-    for index, choice in enumerate(gen.choices):
-        item = {"index": index, "text": choice.text, "logprobs": None, "finish_reason": choice.finish_reason}
-        if with_token_ids:
-            item["token_ids"] = choice.token_ids
-        choices.append(item)
-    return {**_head(gen, model, "text_completion"), "choices": choices, "usage": usage(gen)}
+    return _whole(gen, model, "text_completion", lambda text: {"text": text}, with_token_ids)
+
+
+def chat_completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
+    return _whole(gen, model, "chat.completion",
+                  lambda text: {"message": {"role": "assistant", "content": text}}, with_token_ids)
 
 
 def completion_chunk(gen: Generation, model: str, index: int, text: str, token_ids: Optional[list[int]],
                      finish_reason: Optional[str]) -> dict:
-    item = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        item["token_ids"] = token_ids
-    return {**_head(gen, model, "text_completion"), "choices": [item]}
-
-
-def chat_completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
-    choices = []
-    for index, choice in enumerate(gen.choices):
-        item = {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None,
-                "finish_reason": choice.finish_reason}
-        if with_token_ids:
-            item["token_ids"] = choice.token_ids
-        choices.append(item)
-    return {**_head(gen, model, "chat.completion"), "choices": choices, "usage": usage(gen)}
+    return {**_head(gen, model, "text_completion"), "choices": [_choice(index, {"text": text}, finish_reason, token_ids)]}
 
 
 def chat_chunk(gen: Generation, model: str, index: int, delta: dict, token_ids: Optional[list[int]],
                finish_reason: Optional[str]) -> dict:
-    item = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    if token_ids is not None:
-        item["token_ids"] = token_ids
-    return {**_head(gen, model, "chat.completion.chunk"), "choices": [item]}
+    return {**_head(gen, model, "chat.completion.chunk"),
+            "choices": [_choice(index, {"delta": delta}, finish_reason, token_ids)]}
 
 
 def usage_chunk(gen: Generation, model: str, obj: str) -> dict:
