@@ -91,41 +91,42 @@ class StagedTransfer:
     def to_host(self, host: torch.Tensor, device_ids: list[int], host_ids: list[int]) -> None:
         """Device blocks ``device_ids`` into blocks ``host_ids`` of the pinned host pool tensor ``host``."""
         compute, copy = self.streams.compute, self.streams.copy
-        pairs = sorted(zip(host_ids, device_ids))
-        ids = self.ids.upload(OUT, [d for _, d in pairs])
-        for start, half in self._chunks(len(pairs)):
-            count = min(half.shape[0], len(pairs) - start)
+        for ids, staged, host_views, staged_views in self._chunks(OUT, host, host_ids, device_ids):
             compute.wait(self.released[self.turn])
             with compute:
-                torch.index_select(self.data, 0, ids[start:start + count], out=half[:count])
+                torch.index_select(self.data, 0, ids, out=staged)
             gathered = compute.record()
             with copy:
                 copy.wait(gathered)
-                runs = host_runs([h for h, _ in pairs[start:start + count]])
-                torch._foreach_copy_([host[first:first + n] for first, n, _ in runs],
-                                     [half[at:at + n] for _, n, at in runs], non_blocking=True)
+                torch._foreach_copy_(host_views, staged_views, non_blocking=True)
                 self.released[self.turn] = copy.record()
 
     def to_device(self, host: torch.Tensor, host_ids: list[int], device_ids: list[int]) -> None:
         """Blocks ``host_ids`` of the pinned host pool tensor ``host`` into device blocks ``device_ids``."""
         compute, copy = self.streams.compute, self.streams.copy
-        pairs = sorted(zip(host_ids, device_ids))
-        ids = self.ids.upload(IN, [d for _, d in pairs])
-        for start, half in self._chunks(len(pairs)):
-            count = min(half.shape[0], len(pairs) - start)
+        for ids, staged, host_views, staged_views in self._chunks(IN, host, host_ids, device_ids):
             with copy:
                 copy.wait(self.released[self.turn])
-                runs = host_runs([h for h, _ in pairs[start:start + count]])
-                torch._foreach_copy_([half[at:at + n] for _, n, at in runs],
-                                     [host[first:first + n] for first, n, _ in runs], non_blocking=True)
+                torch._foreach_copy_(staged_views, host_views, non_blocking=True)
                 landed = copy.record()
             compute.wait(landed)
             with compute:
-                self.data.index_copy_(0, ids[start:start + count], half[:count])
+                self.data.index_copy_(0, ids, staged)
             self.released[self.turn] = compute.record()
 
-    def _chunks(self, count: int):
-        """``(first pair, staging half)`` of each chunk of a move, the halves taken in turns."""
-        for start in range(0, count, self.halves[0].shape[0]):
+    def _chunks(self, row: int, host: torch.Tensor, host_ids: list[int], device_ids: list[int]):
+        """Per chunk of a move, in the staging halves by turns: ``(device ids, the half's rows for them, each run
+        of consecutive host blocks as a view of ``host``, the half's matching rows)``.
+
+        The pairs are sorted by host block, so consecutive host blocks cross the link as one run.
+        """
+        pairs = sorted(zip(host_ids, device_ids))
+        ids = self.ids.upload(row, [d for _, d in pairs])
+        size = self.halves[0].shape[0]
+        for start in range(0, len(pairs), size):
             self.turn = 1 - self.turn
-            yield start, self.halves[self.turn]
+            count = min(size, len(pairs) - start)
+            staged = self.halves[self.turn][:count]
+            runs = host_runs([h for h, _ in pairs[start:start + count]])
+            yield (ids[start:start + count], staged, [host[first:first + n] for first, n, _ in runs],
+                   [staged[at:at + n] for _, n, at in runs])
