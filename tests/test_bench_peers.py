@@ -53,3 +53,17 @@ def test_decoded_counts_the_tokens_after_the_first():
 def test_bad_batches_are_refused(capsys):
     assert peers.main(["--batches", "1,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_a_failing_model_builder_leaves_its_rows_out_with_its_message(checkpoint, monkeypatch, tmp_path):
+    """The builder's own import error (it needs onnx_ir) was a traceback that stopped the whole bench."""
+    class Failed:
+        returncode, stderr = 1, "Traceback (most recent call last):\nModuleNotFoundError: No module named 'onnx_ir'\n"
+
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setattr(peers.subprocess, "run", lambda *a, **k: Failed())
+    opts = peers.PeersOptions(model="tiny", batches=(1,), prompt_len=5, new_tokens=6, rounds=1,
+                              weight_formats=("float32",), onnx_dir=tmp_path)
+    engines, missing = peers.build_engines(opts, checkpoint("llama-gqa"))
+    assert [e.name for e in engines] == ["kvlib fp32", "transformers fp32"]
+    assert "No module named 'onnx_ir'" in missing and "in fp32" in missing and '.[peers]' in missing

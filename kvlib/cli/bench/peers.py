@@ -154,6 +154,10 @@ class GenaiEngine:
         return Decoded([list(generator.get_sequence(i))[len(prompts[i]):] for i in range(len(prompts))], seconds)
 
 
+class ExportFailed(RuntimeError):
+    """The model builder stopped: the bench goes on without ONNX Runtime GenAI and says why."""
+
+
 def export_onnx(folder: Path, out: Path, precision: str) -> Path:
     """ONNX Runtime GenAI's model builder run once on ``folder``: ``out`` holds its model in ``precision``."""
     if (out / "genai_config.json").is_file():
@@ -161,8 +165,14 @@ def export_onnx(folder: Path, out: Path, precision: str) -> Path:
     print(f"kvlib bench peers: exporting {folder} with onnxruntime-genai's model builder ({precision}) into {out}",
           file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out),
-                    "-p", precision, "-e", "cpu", "-c", str(out.parent / "builder-cache")], check=True)
+    built = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(out),
+                            "-p", precision, "-e", "cpu", "-c", str(out.parent / "builder-cache")],
+                           stderr=subprocess.PIPE, text=True)
+    if built.returncode != 0:
+        last = (built.stderr.strip().splitlines() or ["no message"])[-1]
+        raise ExportFailed(f"onnxruntime-genai's model builder could not export {folder.name} in {precision} "
+                           f"(exit {built.returncode}: {last}); its rows are left out. `pip install -e \".[peers]\"` "
+                           "installs what the builder imports")
     return out
 
 
@@ -200,8 +210,11 @@ def build_engines(opts: PeersOptions, folder: Path) -> tuple[list, str | None]:
     from kvlib.model.catalog import cache_dir
     onnx_dir = opts.onnx_dir or cache_dir() / "onnx" / folder.name
     for precision in ("fp32", "int4"):
-        engines.append(GenaiEngine(export_onnx(folder, onnx_dir / precision, precision),
-                                   f"onnxruntime-genai {precision}", opts.threads))
+        try:
+            exported = export_onnx(folder, onnx_dir / precision, precision)
+        except ExportFailed as failed:
+            return engines, "; ".join([*notes, str(failed)])
+        engines.append(GenaiEngine(exported, f"onnxruntime-genai {precision}", opts.threads))
     return engines, "; ".join(notes) or None
 
 
