@@ -89,9 +89,10 @@ class LLMEngine:
     def _in_weight_format(self, model, source):
         """The projections in ``config.weight_format``: a CPU's float32 model only; q4_1 from the GGUF file itself."""
         fmt = self.config.weight_format
+        on_cpu_in_float32 = self.device.type == "cpu" and self.dtype == torch.float32
         if fmt == "float32":
-            return model
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return use_weight_format(model, fmt) if on_cpu_in_float32 else model
+        if not on_cpu_in_float32:
             raise ValueError(f"weight_format={fmt!r} is for a float32 model on a CPU, but this engine runs "
                              f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; on a GPU use "
                              f"dtype='bfloat16' instead, or weight_format='float32'")

@@ -15,6 +15,7 @@ from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend
 from kvlib.model import weight_formats
+from kvlib.model.packed_linear import PackedLinear
 from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec
 
 PROMPTS = [[1, 2, 3, 400, 500, 600, 7000, 800], [50, 60, 70, 80, 90, 100], [9, 19, 29, 39, 49, 59, 69, 79, 89],
@@ -100,7 +101,7 @@ def test_q4_1_holds_the_files_own_weights(smollm2):
         for path in weight_formats.LAYER_PROJECTIONS:
             packed = q4.model.layers[index].get_submodule(path)
             assert isinstance(packed, weight_formats.Q4Linear)
-            weight = fp32.model.layers[index].get_submodule(path).weight
+            weight = fp32.model.layers[index].get_submodule(path).weight_matrix()
             torch.testing.assert_close(packed.dequantized(), weight, atol=2**-7 * float(weight.abs().max()), rtol=0)
 
 
@@ -130,7 +131,21 @@ def test_the_engine_refuses_a_weight_format_it_cannot_serve():
 
 def test_a_bfloat16_engine_serves_with_bfloat16_projections():
     llm = LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu", weight_format="bfloat16"), verbose=False)
-    layer = llm.engine.runner.model.model.layers[0]
-    assert isinstance(layer.mlp.down_proj, weight_formats.BFloat16Linear)
+    model = llm.engine.runner.model
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, PackedLinear) and down.compute_dtype == torch.bfloat16
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.compute_dtype == torch.float32
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_without_onednn_bfloat16_projections_multiply_in_bfloat16(monkeypatch):
+    """Where torch has no oneDNN, the bfloat16 format falls back to ``BFloat16Linear``: the same products."""
+    monkeypatch.setattr(weight_formats, "packing_available", lambda device, dtype: False)
+    llm = LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu", weight_format="bfloat16"), verbose=False)
+    model = llm.engine.runner.model
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, weight_formats.BFloat16Linear) and isinstance(model.lm_head, torch.nn.Linear)
+    x = torch.randn(3, down.weight.shape[1])
+    packed = PackedLinear(down.weight.float(), None, torch.bfloat16)
+    torch.testing.assert_close(down(x), packed(x), atol=1e-2, rtol=1e-2)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlib.config import WEIGHT_FORMATS
+from kvlib.model.packed_linear import PackedLinear, packing_available
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 dot products
 Q4_1_GROUP = 32  # weights per Q4_1 block, and per group of the int4 matmul
@@ -132,15 +133,18 @@ def _q4_layer_linear(parts: dict, prefix: str, path: str, pieces, bias: torch.Te
 
 
 def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> nn.Module:
-    """Swap ``model``'s layer projections for ``name``'s format, in place; ``q4_1`` reads them from ``gguf``."""
+    """Swap ``model``'s projections for ``name``'s format, in place; ``q4_1`` reads them from ``gguf``.
+
+    On a CPU whose torch has oneDNN, the float32 and bfloat16 projections and the language-model head
+    are ``PackedLinear`` (``kvlib.model.packed_linear``): the same arithmetic in oneDNN's weight layout.
+    """
     from kvlib.model.llama import fused_projections
 
     if name not in WEIGHT_FORMATS:
         raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {name!r}")
-    if name == "float32":
-        return model
     if name == "q4_1" and gguf is None:
         raise ValueError("the q4_1 weight format reads the projections from the model's GGUF file: pass gguf=PATH")
+    packs = packing_available(model.lm_head.weight.device, torch.float32)
     parts = gguf_q4_1_projections(Path(gguf), model.config) if name == "q4_1" else None
     fused = fused_projections(model.config)
     for index, layer in enumerate(model.model.layers):
@@ -148,9 +152,13 @@ def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> 
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
             linear = getattr(owner, attr)
-            if name == "bfloat16":
-                replacement = BFloat16Linear(linear)
-            else:
+            if name == "q4_1":
                 replacement = _q4_layer_linear(parts, f"model.layers.{index}", path, fused.get(path), linear.bias)
+            elif name == "bfloat16":
+                replacement = PackedLinear.of(linear, torch.bfloat16) if packs else BFloat16Linear(linear)
+            else:
+                replacement = PackedLinear.of(linear) if packs else linear
             setattr(owner, attr, replacement)
+    if packs:
+        model.lm_head = PackedLinear.of(model.lm_head)  # a copy: the embedding it may be tied to keeps its own
     return model

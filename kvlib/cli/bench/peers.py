@@ -80,13 +80,13 @@ class KvlibEngine:
                  weight_format: str = "float32", gguf: Path | None = None):
         from kvlib.config import EngineConfig
         from kvlib.llm import LLM
-        from kvlib.model.weight_formats import use_weight_format
         block_size = 16
         blocks = max_batch * -(-max_len // block_size) + 1
         self.name = name
-        self.llm = LLM(folder, EngineConfig(block_size=block_size, num_gpu_blocks=blocks, max_num_seqs=max_batch,
-                                            max_num_batched_tokens=max(4096, max_batch * max_len), device="cpu"))
-        use_weight_format(self.llm.engine.runner.model, weight_format, gguf)
+        source = gguf if weight_format == "q4_1" else folder  # q4_1 reads the projections from the GGUF file itself
+        self.llm = LLM(source, EngineConfig(block_size=block_size, num_gpu_blocks=blocks, max_num_seqs=max_batch,
+                                            max_num_batched_tokens=max(4096, max_batch * max_len), device="cpu",
+                                            weight_format=weight_format))
         self.runs = 0
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> Decoded:

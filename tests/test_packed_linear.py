@@ -1,0 +1,58 @@
+"""PackedLinear: oneDNN's layout of a projection computes F.linear's products, and a CPU float32 engine uses it.
+
+The token-exactness tests against transformers (tests/test_matches_transformers.py and the others) run
+on packed projections too, since every CPU float32 engine packs; here the packing itself is checked.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlib import LLM, EngineConfig, SamplingParams
+from kvlib.model import weight_formats
+from kvlib.model.packed_linear import PackedLinear, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
+                                reason="this torch has no oneDNN: projections stay nn.Linear")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_are_f_linears_up_to_summation_order(rows, bias):
+    torch.manual_seed(rows)
+    weight, b = torch.randn(96, 80), (torch.randn(96) if bias else None)
+    packed = PackedLinear(weight, b)
+    x = torch.randn(rows, 80)
+    torch.testing.assert_close(packed(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    assert packed(x.view(rows, 1, 80)).shape == (rows, 1, 96)
+    assert torch.equal(packed.weight_matrix(), weight)
+
+
+def test_bfloat16_packing_multiplies_in_bfloat16_and_answers_in_the_inputs_dtype():
+    torch.manual_seed(0)
+    weight, x = torch.randn(64, 48), torch.randn(5, 48)
+    packed = PackedLinear(weight, None, torch.bfloat16)
+    out = packed(x)
+    assert out.dtype == torch.float32 and torch.equal(packed.weight_matrix(), weight.bfloat16())
+    torch.testing.assert_close(out, F.linear(x.bfloat16(), weight.bfloat16()).float(), rtol=1e-2, atol=1e-2)
+
+
+def test_a_cpu_float32_engine_packs_every_projection_and_the_head():
+    llm = LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu"), verbose=False)
+    model = llm.engine.runner.model
+    for layer in model.model.layers:
+        for path in weight_formats.LAYER_PROJECTIONS:
+            assert isinstance(layer.get_submodule(path), PackedLinear), path
+    assert isinstance(model.lm_head, PackedLinear)
+    if model.config.tie_word_embeddings:  # the head is a packed copy; the embedding keeps the weights it reads
+        assert torch.equal(model.lm_head.weight_matrix(), model.model.embed_tokens.weight)
+
+
+def test_packed_and_plain_engines_give_the_same_greedy_tokens(monkeypatch):
+    prompts = [[5, 6, 7, 8], [9] * 11, list(range(3, 40))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    packed = LLM("default", EngineConfig(num_gpu_blocks=32, device="cpu"), verbose=False).generate(prompts, params)
+    monkeypatch.setattr(weight_formats, "packing_available", lambda device, dtype: False)
+    plain_llm = LLM("default", EngineConfig(num_gpu_blocks=32, device="cpu"), verbose=False)
+    assert isinstance(plain_llm.engine.runner.model.lm_head, torch.nn.Linear)
+    plain = plain_llm.generate(prompts, params)
+    assert [o.token_ids for o in packed] == [o.token_ids for o in plain]
