@@ -6,14 +6,17 @@ slow, so smaller weights are most of what a CPU can gain:
 
 - ``"bfloat16"``: each projection's weights in bfloat16, activations cast to bfloat16 for the
   matmul (bf16 dot products, where the CPU has them: ``bf16_dot_products``), its output back in
-  float32; norms, attention, the KV cache and the language-model head stay float32.
+  float32; the language-model head too where it is packed (a copy of the embedding it may be tied
+  to: 0.4 of a logit's spread at most on SmolLM2, see tests/test_precision.py); norms, attention and
+  the KV cache stay float32.
 - ``"q4_1"``: the projections straight from the GGUF file's Q4_1 blocks (32 weights, a float16
   scale ``d`` and minimum ``m``: ``w = d * q + m``), never dequantized to float32: the file's 4-bit
   codes repacked for ``torch._weight_int4pack_mm_for_cpu``, which computes ``(q - 8) * scale + zero``
   per group of 32, so ``scale = d`` and ``zero = m + 8 d``. Its fast kernel takes bfloat16
   activations, scales and zeros (with float32 ones it is 50x slower than a float32 matmul), so the
   only loss beyond the file's own quantization is ``d`` and ``zero`` rounded to bfloat16 (a relative
-  2^-9 at most). The embedding (Q8_0 in SmolLM2's file) and the head tied to it stay float32.
+  2^-9 at most). The embedding (Q8_0 in SmolLM2's file) stays float32; the head tied to it is packed
+  in bfloat16 as for the bfloat16 format.
 
 ``use_weight_format(model, name, gguf=...)`` swaps the projections of a loaded model in place.
 """
@@ -159,6 +162,6 @@ def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> 
             else:
                 replacement = PackedLinear.of(linear) if packs else linear
             setattr(owner, attr, replacement)
-    if packs:
-        model.lm_head = PackedLinear.of(model.lm_head)  # a copy: the embedding it may be tied to keeps its own
+    if packs:  # a copy: the embedding it may be tied to keeps its own weights
+        model.lm_head = PackedLinear.of(model.lm_head, torch.float32 if name == "float32" else torch.bfloat16)
     return model
