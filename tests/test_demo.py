@@ -29,3 +29,20 @@ def test_plotting_the_timeline_to_a_file_leaves_the_backend_and_pyplot_alone(tmp
         assert (tmp_path / "timeline.png").stat().st_size > 0
     finally:
         matplotlib.use(before)
+
+
+def test_auto_weight_format_is_the_fastest_this_machine_serves(monkeypatch):
+    import torch
+
+    from kvlib.cli import demo
+    from kvlib.model import weight_formats
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(weight_formats, "bf16_dot_products", lambda: "avx512_bf16")
+    assert demo.demo_weight_format("auto", "smollm2-135m") == "bfloat16"
+    assert demo.demo_weight_format("auto", "default") == "float32"  # the tiny model's own weights, exact
+    assert demo.demo_weight_format("q4_1", "smollm2-135m") == "q4_1"
+    monkeypatch.setattr(weight_formats, "bf16_dot_products", lambda: None)
+    assert demo.demo_weight_format("auto", "smollm2-135m") == "float32"
+    monkeypatch.setattr(weight_formats, "bf16_dot_products", lambda: "avx512_bf16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert demo.demo_weight_format("auto", "smollm2-135m") == "float32"  # a GPU serves its own dtype

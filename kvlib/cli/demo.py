@@ -50,6 +50,9 @@ class DemoOptions:
                                 "a 540 MB float32 folder in $KVLIB_CACHE_DIR, else ~/.cache/kvlib), else the "
                                 "built-in model; default: the tiny built-in model (no conversion); or "
                                 "smollm2-135m, a model folder, a .gguf file")
+    weight_format: str = option("auto", "auto: bfloat16 projections for SmolLM2 on a CPU with bfloat16 dot products "
+                                        "(its fastest path here; sampled text needs no float32 exactness), else "
+                                        "float32; or float32, bfloat16, q4_1 (EngineConfig.weight_format)")
     plot_path: str = option("kvlib-output/demo_timeline.png", "where the KV usage timeline is saved")
     pool_view_path: str = option("kvlib-output/demo_pool.png",
                                  "where the block-pool view is saved (.png: six steps; .gif: an animation)")
@@ -69,6 +72,20 @@ def demo_model(requested: str) -> str:
     return "smollm2-135m"
 
 
+def demo_weight_format(requested: str, model: str) -> str:
+    """The weight format the demo serves in: ``requested``, or for ``auto`` the fastest one this machine serves."""
+    if requested != "auto":
+        return requested
+    import torch
+
+    from kvlib.model.weight_formats import bf16_dot_products
+    if model == "default" or torch.cuda.is_available() or bf16_dot_products() is None:
+        return "float32"
+    print(f"kvlib demo: bfloat16 projections (this CPU has {bf16_dot_products()}; `--weight-format float32` for "
+          "the exact ones)")
+    return "bfloat16"
+
+
 def demo_prompts(options: DemoOptions, llm: LLM) -> list:
     """Questions of mixed lengths: one to four of them per request, through the chat template if there is one."""
     rng = random.Random(options.seed)
@@ -80,9 +97,11 @@ def demo_prompts(options: DemoOptions, llm: LLM) -> list:
 
 
 def run_demo(options: DemoOptions = DemoOptions()) -> dict:
+    model = demo_model(options.model)
     config = EngineConfig(block_size=options.block_size, num_gpu_blocks=options.num_gpu_blocks,
-                          num_cpu_blocks=options.num_cpu_blocks, preemption_mode=options.preemption_mode)
-    llm = LLM(demo_model(options.model), config)
+                          num_cpu_blocks=options.num_cpu_blocks, preemption_mode=options.preemption_mode,
+                          weight_format=demo_weight_format(options.weight_format, model))
+    llm = LLM(model, config)
     recorder = PoolRecorder(llm)
     prompts = demo_prompts(options, llm)
     print(f"serving {len(prompts)} requests through a KV pool of {options.num_gpu_blocks} blocks x "
