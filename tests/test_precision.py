@@ -15,7 +15,7 @@ from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend
 from kvlib.model import weight_formats
-from kvlib.model.packed_linear import PackedLinear
+from kvlib.model.packed_linear import PackedLinear, packing_available
 from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec
 
 PROMPTS = [[1, 2, 3, 400, 500, 600, 7000, 800], [50, 60, 70, 80, 90, 100], [9, 19, 29, 39, 49, 59, 69, 79, 89],
@@ -60,6 +60,13 @@ def test_unknown_format_and_missing_file_are_refused():
         weight_formats.use_weight_format(llm.engine.runner.model, "int3")
     with pytest.raises(ValueError, match="gguf=PATH"):
         weight_formats.use_weight_format(llm.engine.runner.model, "q4_1")
+
+
+@pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32), reason="no oneDNN: nothing is packed")
+def test_a_model_already_in_a_format_is_refused():
+    llm = LLM("default", EngineConfig(num_gpu_blocks=8, device="cpu"))
+    with pytest.raises(ValueError, match="already PackedLinear: load the model again"):
+        weight_formats.use_weight_format(llm.engine.runner.model, "bfloat16")  # the engine packed it at load
 
 
 try:

@@ -147,6 +147,10 @@ def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> 
         raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {name!r}")
     if name == "q4_1" and gguf is None:
         raise ValueError("the q4_1 weight format reads the projections from the model's GGUF file: pass gguf=PATH")
+    if not isinstance(model.lm_head, nn.Linear):
+        raise ValueError(f"use_weight_format takes a model as it was loaded, with nn.Linear projections; this one's "
+                         f"are already {type(model.lm_head).__name__}: load the model again (an engine's model is "
+                         f"already in its EngineConfig.weight_format)")
     packs = packing_available(model.lm_head.weight.device, torch.float32)
     parts = gguf_q4_1_projections(Path(gguf), model.config) if name == "q4_1" else None
     fused = fused_projections(model.config)
