@@ -28,7 +28,7 @@ from kvlib.core.sequence import Sequence, sample_stream_seed
 from kvlib.metrics import EngineMetrics, StepRecord
 from kvlib.model.catalog import gguf_source, resolve_model_folder
 from kvlib.model.loader import load_model
-from kvlib.model.weight_formats import use_weight_format
+from kvlib.model.weight_formats import describe_weights, use_weight_format
 from kvlib.outputs import RequestOutput, SampleOutput
 from kvlib.runner.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.runner.model_runner import ModelRunner
@@ -56,6 +56,8 @@ class LLMEngine:
         self.oversubscription = pieces.oversubscription_detector
         model = self._load(model)
         backend = self._attention_backend(pieces.attention_backend, verbose)
+        if verbose:
+            print(describe_weights(model))
         self.runner = self._runner(model, backend)  # on a GPU: profiles a forward pass and sizes the pool by it
         self.runner.warm_up_kernels()
         self.runner.capture_decode_graphs()

@@ -156,3 +156,10 @@ def test_without_onednn_bfloat16_projections_multiply_in_bfloat16(monkeypatch):
     x = torch.randn(3, down.weight.shape[1])
     packed = PackedLinear(down.weight.float(), None, torch.bfloat16)
     torch.testing.assert_close(down(x), packed(x), atol=1e-2, rtol=1e-2)
+
+
+def test_the_start_up_line_says_what_the_projections_compute_with(capsys):
+    LLM("default", EngineConfig(num_gpu_blocks=8, device="cpu", weight_format="bfloat16"))
+    expected = ("bfloat16 in oneDNN's packed layout; language-model head packed"
+                if packing_available(torch.device("cpu"), torch.float32) else "bfloat16 in torch's nn.Linear")
+    assert f"kvlib: projections {expected}" in capsys.readouterr().out

@@ -169,3 +169,17 @@ def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> 
     if packs:  # a copy: the embedding it may be tied to keeps its own weights
         model.lm_head = PackedLinear.of(model.lm_head, torch.float32 if name == "float32" else torch.bfloat16)
     return model
+
+
+def describe_weights(model: nn.Module) -> str:
+    """What a model's projections compute with, as the engine's start-up line says it."""
+    projection = model.model.layers[0].mlp.down_proj
+    if isinstance(projection, Q4Linear):
+        what = "q4_1, the GGUF file's 4-bit codes in torch's int4 CPU kernel"
+    elif isinstance(projection, PackedLinear):
+        what = f"{str(projection.compute_dtype).removeprefix('torch.')} in oneDNN's packed layout"
+    else:
+        dtype = torch.bfloat16 if isinstance(projection, BFloat16Linear) else projection.weight.dtype
+        what = f"{str(dtype).removeprefix('torch.')} in torch's nn.Linear"
+    head = "packed" if isinstance(model.lm_head, PackedLinear) else "nn.Linear"
+    return f"kvlib: projections {what}; language-model head {head}"
