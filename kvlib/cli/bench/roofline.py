@@ -2,7 +2,8 @@
 
 The roofline is the fp32 rate of the matmul a decode step is mostly made of, measured here:
 ``[32, 576] x [576, 1536]`` (SmolLM2-135M's MLP at 32 sequences), one thread, the same operands
-again and again, so it runs from cache at the best rate this CPU reaches. The decode step is the
+again and again, so it runs from cache at the best rate this CPU reaches; the weights are packed for
+oneDNN as an engine's are (``kvlib.model.packed_linear``), in the model and in this matmul alike. The decode step is the
 engine's own: ``ModelRunner.forward`` and ``ModelRunner.sample`` for 32 sequences of 280-320 tokens
 of a random model with SmolLM2-135M's shape, so it includes packing the inputs, attention, the
 language-model head and sampling. Its FLOPs are counted from the shapes: every projection, the
@@ -14,9 +15,12 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
 from kvlib.config import SamplingParams
 from kvlib.model.config import ModelConfig
+from kvlib.model.packed_linear import PackedLinear, packing_available
+from kvlib.model.weight_formats import use_weight_format
 
 MATMUL_SHAPE = (32, 576, 1536)  # (rows, inner, columns)
 
@@ -37,7 +41,8 @@ def matmul_gflops(shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 20)
     rows, inner, cols = shape
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, inner, generator=gen), torch.randn(cols, inner, generator=gen)
-    return 2 * rows * inner * cols / best_seconds(lambda: torch.nn.functional.linear(x, w), repeats, inner=20) / 1e9
+    linear = PackedLinear(w, None) if packing_available(x.device, x.dtype) else lambda rows: F.linear(rows, w)
+    return 2 * rows * inner * cols / best_seconds(lambda: linear(x), repeats, inner=20) / 1e9
 
 
 def decode_step_flops(config: ModelConfig, context_lens: list[int]) -> float:
@@ -58,7 +63,7 @@ def random_decode_model(shape: dict, batch: int, contexts: tuple[int, int], bloc
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     config = ModelConfig(**shape)
-    model = LlamaForCausalLM(config).eval()
+    model = use_weight_format(LlamaForCausalLM(config).eval(), "float32")  # packed, as an engine's on a CPU
     context_lens = torch.randint(contexts[0], contexts[1] + 1, (batch,), generator=gen).tolist()
     return config, model, context_lens, [-(-n // block_size) for n in context_lens], gen
 
