@@ -63,7 +63,7 @@ class LLMEngine:
         self.runner.capture_decode_graphs()
         self.cost_model = self._probe_cost_model(verbose) if config.preemption_mode == "auto" else None
         self.block_manager, self.scheduler = build_core(
-            config, pieces, num_device_blocks=self.runner.gpu_pool.num_blocks, block_bytes=self.runner.spec.block_bytes,
+            config, pieces, num_device_blocks=self.runner.device_pool.num_blocks, block_bytes=self.runner.spec.block_bytes,
             eos_token_ids=frozenset(self.model_config.eos_token_ids), max_model_len=self.max_model_len,
             cost_model=self.cost_model)
         self.metrics = EngineMetrics(history=config.metrics_history)

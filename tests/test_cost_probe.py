@@ -62,14 +62,14 @@ def tiny():
 
 def test_a_probe_pass_computes_what_the_model_computes(tiny):
     """The timed pass is a real forward pass: its logits for a prompt equal the model's own prefill's."""
-    logits = forward_pass(tiny.model, tiny.gpu_pool, tiny.backend, [(40, 0)])()
+    logits = forward_pass(tiny.model, tiny.device_pool, tiny.backend, [(40, 0)])()
     prompt = torch.tensor([(7 * p + 3) % tiny.model.config.vocab_size for p in range(40)])
     from kvlib.attention.metadata import AttentionMetadata
     meta = AttentionMetadata(slot_mapping=torch.arange(40), block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32),
                              context_lens=torch.tensor([40], dtype=torch.int32),
                              query_start=torch.tensor([0, 40], dtype=torch.int32), max_query_len=40, max_context_len=40)
     with torch.inference_mode():
-        expected = tiny.model(prompt, torch.arange(40), tiny.gpu_pool, meta, tiny.backend, torch.tensor([39]))
+        expected = tiny.model(prompt, torch.arange(40), tiny.device_pool, meta, tiny.backend, torch.tensor([39]))
     torch.testing.assert_close(logits, expected)
 
 
@@ -97,5 +97,5 @@ def test_returning_turns_are_timed_both_ways(tiny):
 
 
 def test_measure_cost_model_uses_the_pools_it_is_given(tiny):
-    cost = measure_cost_model(tiny.model, tiny.gpu_pool, tiny.backend)
+    cost = measure_cost_model(tiny.model, tiny.device_pool, tiny.backend)
     assert isinstance(cost, PreemptionCostModel) and cost.prefill_tokens_per_s > 0

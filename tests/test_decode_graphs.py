@@ -68,10 +68,10 @@ def test_the_twin_keeps_what_the_host_computed_while_recording(checkpoint):
     """The torch backend's decode plan is made on the host from the lengths, so a replay reuses the old plan."""
     llm = LLM(checkpoint("llama-gqa"), EngineConfig(block_size=4, num_gpu_blocks=16), verbose=False)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.gpu_pool, runner.backend, runner.buffers, 64, [1], EagerCapture())
+    graphs = DecodeGraphs(runner.model, runner.device_pool, runner.backend, runner.buffers, 64, [1], EagerCapture())
     longer = [Chunk([7], 9, [3, 5, 6], sampled=True)]  # context 10: three blocks, where the recording read one
     replayed = graphs.run(longer)
     inputs = runner.buffers.pack(longer)
-    eager = runner.model(inputs.token_ids, inputs.positions, runner.gpu_pool, inputs.meta, runner.backend,
+    eager = runner.model(inputs.token_ids, inputs.positions, runner.device_pool, inputs.meta, runner.backend,
                          inputs.logits_rows)
     assert not torch.allclose(replayed, eager)

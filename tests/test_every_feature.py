@@ -88,7 +88,7 @@ class StepChecks:
 
     def cached_blocks_unchanged(self) -> None:
         bm, runner = self.engine.block_manager, self.engine.runner
-        tiers = [("device", bm.cache, runner.gpu_pool), ("host", bm.host_tier, runner.cpu_pool)]
+        tiers = [("device", bm.cache, runner.device_pool), ("host", bm.host_tier, runner.host_pool)]
         for name, tier, pool in tiers:
             for entry in tier or ():
                 key = (name, entry.block_id, entry.name)

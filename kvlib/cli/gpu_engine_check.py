@@ -108,7 +108,7 @@ def run_engine_checks(out) -> bool:
                 preemptions=m.num_preemptions, blocks_out=m.num_swapped_out_blocks, blocks_in=m.num_swapped_in_blocks)
         out.add("swap time from events", m.swap_time, "s", wall_seconds=wall, swap_bytes=m.swap_bytes,
                 gbps=m.swap_bytes / m.swap_time / 1e9 if m.swap_time else None,
-                pinned_bytes=llm.engine.runner.cpu_pool.pinned_bytes, pool_bytes=llm.engine.runner.cpu_pool.data.nbytes)
+                pinned_bytes=llm.engine.runner.host_pool.pinned_bytes, pool_bytes=llm.engine.runner.host_pool.data.nbytes)
         return same and m.num_swapped_out_blocks > 0 and 0 < m.swap_time < wall
     check("swap", under_swap)
 
@@ -127,7 +127,7 @@ def run_engine_checks(out) -> bool:
 
     def profiled_pool_and_synchronizations() -> bool:
         llm = LLM("default", EngineConfig(gpu_memory_utilization=0.3), verbose=False)
-        pool = llm.engine.runner.gpu_pool
+        pool = llm.engine.runner.device_pool
         out.add("pool sized by the memory profile", pool.num_blocks, "blocks", gib=pool.data.nbytes / 2**30,
                 dtype=str(llm.engine.dtype))
         llm.generate(PROMPTS, SamplingParams(max_tokens=2))

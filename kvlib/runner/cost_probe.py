@@ -95,13 +95,13 @@ def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, i
     return run
 
 
-def copy_probes(gpu_pool: KVCachePool, num_blocks: int = COPY_PROBE_BLOCKS, seed: int = 0) -> tuple[Callable, Callable]:
+def copy_probes(device_pool: KVCachePool, num_blocks: int = COPY_PROBE_BLOCKS, seed: int = 0) -> tuple[Callable, Callable]:
     """Batched copies to the host of one block and of ``num_blocks``, scattered over the pool as a victim's are."""
-    num_blocks = max(1, min(num_blocks, gpu_pool.num_blocks))
-    host = KVCachePool(gpu_pool.spec, num_blocks, "cpu", pin_memory=gpu_pool.device.type == "cuda")
-    ids, host_ids = random.Random(seed).sample(range(gpu_pool.num_blocks), num_blocks), list(range(num_blocks))
-    return (lambda: copy_blocks_between(gpu_pool, host, ids[:1], host_ids[:1]),
-            lambda: copy_blocks_between(gpu_pool, host, ids, host_ids))
+    num_blocks = max(1, min(num_blocks, device_pool.num_blocks))
+    host = KVCachePool(device_pool.spec, num_blocks, "cpu", pin_memory=device_pool.device.type == "cuda")
+    ids, host_ids = random.Random(seed).sample(range(device_pool.num_blocks), num_blocks), list(range(num_blocks))
+    return (lambda: copy_blocks_between(device_pool, host, ids[:1], host_ids[:1]),
+            lambda: copy_blocks_between(device_pool, host, ids, host_ids))
 
 
 def fit_copy(one: float, many: float, num_blocks: int, block_bytes: int) -> tuple[float, float]:
@@ -166,7 +166,7 @@ def _overlap(floor: float, per_token: float, fewer: tuple[int, float], more: tup
     return min(1.0, max(0.0, (arithmetic - (more[1] - fewer[1])) / hideable))
 
 
-def measure_cost_model(model, gpu_pool: KVCachePool, backend, num_batch: int = PROBE_BATCH) -> PreemptionCostModel:
+def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int = PROBE_BATCH) -> PreemptionCostModel:
     """Every constant of the cost model, measured in this engine's pool, on its model and backend.
 
     The passes and the copies are timed in turns, so a copy finds the caches as a forward pass
@@ -174,21 +174,21 @@ def measure_cost_model(model, gpu_pool: KVCachePool, backend, num_batch: int = P
     yet nearly double what it adds to the batch: until then it rides on the weight reads.
     """
     batch = [(1, 0)] * num_batch
-    small = max(2, gpu_pool.spec.block_size)
+    small = max(2, device_pool.spec.block_size)
     q = max(2 * small, PROBE_TOKENS)
-    copies = copy_probes(gpu_pool)
+    copies = copy_probes(device_pool)
     while True:
         context = max(1, min(MAX_PROBE_CONTEXT, model.config.max_position_embeddings - q))
         prefills = [[], [(small, 0)], [(q, 0)], [(2 * q, 0)], [(q, context)]]
-        fns = [forward_pass(model, gpu_pool, backend, [(1, 0)]),
-               *(forward_pass(model, gpu_pool, backend, batch + p) for p in prefills), *copies]
-        *passes, copy_one, copy_many = best_in_turns(fns, gpu_pool.device)
+        fns = [forward_pass(model, device_pool, backend, [(1, 0)]),
+               *(forward_pass(model, device_pool, backend, batch + p) for p in prefills), *copies]
+        *passes, copy_one, copy_many = best_in_turns(fns, device_pool.device)
         timings = ForwardTimings(num_batch, small, q, context, *passes)
         compute_bound = timings.with_2q - timings.alone >= COMPUTE_BOUND_GROWTH * (timings.with_q - timings.alone)
         if compute_bound or 4 * q > MAX_PROBE_TOKENS:
             break
         q *= 2
-    call, link = fit_copy(copy_one, copy_many, min(COPY_PROBE_BLOCKS, gpu_pool.num_blocks), gpu_pool.spec.block_bytes)
+    call, link = fit_copy(copy_one, copy_many, min(COPY_PROBE_BLOCKS, device_pool.num_blocks), device_pool.spec.block_bytes)
     return PreemptionCostModel(host_link_bytes_per_s=link, copy_call_seconds=call, **timings.fit())
 
 
@@ -212,7 +212,7 @@ def victim_calls(runner, num_tokens: int, batch: int = 4, batch_context: int = 6
     packed into the batch's pass, whose cost is what it adds to ``"batch"``.
     """
     rng = rng or random.Random(0)
-    gpu, cpu = runner.gpu_pool, runner.cpu_pool
+    gpu, cpu = runner.device_pool, runner.host_pool
     decode = [(1, batch_context)] * batch
     num_blocks = -(-num_tokens // gpu.spec.block_size)
     device_ids, host_ids = rng.sample(range(gpu.num_blocks), num_blocks), rng.sample(range(cpu.num_blocks), num_blocks)
@@ -236,7 +236,7 @@ def time_victims(runner, lengths: list[int], batch: int = 4, batch_context: int 
     fns = [calls[0]["batch"]] + [c[name] for c in calls for name in ("swap", "batch with the victim")]
     times = best_in_turns(fns, runner.device, repeats, min_seconds)
     alone = times[0]
-    blocks = [-(-n // runner.gpu_pool.spec.block_size) for n in lengths]
+    blocks = [-(-n // runner.device_pool.spec.block_size) for n in lengths]
     return [VictimTiming(n, b, swap_s, with_victim - alone)
             for n, b, swap_s, with_victim in zip(lengths, blocks, times[1::2], times[2::2])]
 
@@ -254,7 +254,7 @@ def time_returning_turns(runner, contexts: list[int], new_tokens: int, repeats: 
                          min_seconds: float = MIN_SECONDS, seed: int = 0) -> list[ReturningTiming]:
     """Serve each returning turn both ways in ``runner``'s own pools, every pass and copy in turns with the others."""
     rng = random.Random(seed)
-    gpu, cpu = runner.gpu_pool, runner.cpu_pool
+    gpu, cpu = runner.device_pool, runner.host_pool
     fns = []
     for context in contexts:
         num_blocks = context // gpu.spec.block_size

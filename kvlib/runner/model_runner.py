@@ -65,10 +65,10 @@ class ModelRunner:
             num_gpu_blocks = (device_blocks_that_fit(model, backend, self.spec, self.buffers, gpu_memory_utilization,
                                                      max_num_seqs, self.max_model_len, max(self.buckets)) if on_gpu
                               else max(1, CPU_KV_BUDGET_BYTES // self.spec.block_bytes))
-        self.gpu_pool = KVCachePool(self.spec, num_gpu_blocks, device)
-        self.cpu_pool = KVCachePool(self.spec, num_cpu_blocks, "cpu", pin_memory=on_gpu)
+        self.device_pool = KVCachePool(self.spec, num_gpu_blocks, device)
+        self.host_pool = KVCachePool(self.spec, num_cpu_blocks, "cpu", pin_memory=on_gpu)
         self.graphs: DecodeGraphs | None = None
-        streams = self.gpu_pool.transfer.streams if self.gpu_pool.transfer is not None else HostStreams()
+        streams = self.device_pool.transfer.streams if self.device_pool.transfer is not None else HostStreams()
         self.ids = PinnedIds(3, max(num_gpu_blocks, max_num_seqs), device, streams)
         self.move_timer = SpanTimer(streams)  # on the pool's own copy stream
 
@@ -87,11 +87,11 @@ class ModelRunner:
         ``EagerCapture``); None runs every step eagerly."""
         self.graphs = None  # the old graphs' memory goes back before new ones are recorded
         if capture is not None:
-            self.graphs = DecodeGraphs(self.model, self.gpu_pool, self.backend, self.buffers,
+            self.graphs = DecodeGraphs(self.model, self.device_pool, self.backend, self.buffers,
                                        self.max_model_len, self.buckets, capture)
 
     def measure_cost_model(self) -> PreemptionCostModel:
-        return measure_cost_model(self.model, self.gpu_pool, self.backend)
+        return measure_cost_model(self.model, self.device_pool, self.backend)
 
     def execute_moves(self, moves: BlockMoves) -> float:
         """Carry out a step's block moves in their three phases; returns the seconds the moves took, those
@@ -105,20 +105,20 @@ class ModelRunner:
         if moves:
             start = self.move_timer.start()
             if moves.to_host:
-                copy_blocks_between(self.gpu_pool, self.cpu_pool, *map(list, zip(*moves.to_host)))
+                copy_blocks_between(self.device_pool, self.host_pool, *map(list, zip(*moves.to_host)))
             if moves.copies:
                 self._copy_on_write(*map(list, zip(*moves.copies)))
             if moves.to_device:
-                copy_blocks_between(self.cpu_pool, self.gpu_pool, *map(list, zip(*moves.to_device)))
+                copy_blocks_between(self.host_pool, self.device_pool, *map(list, zip(*moves.to_device)))
             self.move_timer.stop(start)
         return self.move_timer.settled_seconds()
 
     def _copy_on_write(self, src: list[int], dst: list[int]) -> None:
         src_ids, dst_ids = self.ids.upload(COPY_SOURCES, src), self.ids.upload(COPY_DESTINATIONS, dst)
         if set(src) & set(dst):  # a source freed and reused in the same step: read all before writing any
-            copy_blocks_reading_first(self.gpu_pool, src_ids, dst_ids)
+            copy_blocks_reading_first(self.device_pool, src_ids, dst_ids)
         else:
-            self.backend.copy_blocks(self.gpu_pool.data, src_ids, dst_ids)
+            self.backend.copy_blocks(self.device_pool.data, src_ids, dst_ids)
 
     def forward(self, plan: SchedulerOutput) -> torch.Tensor:
         """Logits ``[sequences completing this step, vocab]``, in plan order."""
@@ -126,7 +126,7 @@ class ModelRunner:
         if self.graphs is not None and len(chunks) <= self.graphs.largest and all(len(c.token_ids) == 1 for c in chunks):
             return self.graphs.run(chunks)
         inputs = self.buffers.pack(chunks)
-        return self.model(inputs.token_ids, inputs.positions, self.gpu_pool, inputs.meta, self.backend,
+        return self.model(inputs.token_ids, inputs.positions, self.device_pool, inputs.meta, self.backend,
                           inputs.logits_rows)
 
     def sample(self, logits: torch.Tensor, plan: SchedulerOutput) -> list[int]:

@@ -34,16 +34,16 @@ def prefill_blocks(num_tokens: int, block_size: int, num_blocks: int) -> list[in
 def warm_up(runner) -> None:
     """Launch every kernel variant once on the runner's own pools and buffers."""
     block_size = runner.spec.block_size
-    two_tokens = prefill_blocks(2, block_size, runner.gpu_pool.num_blocks)
+    two_tokens = prefill_blocks(2, block_size, runner.device_pool.num_blocks)
     mixed = [Chunk([0], 0, [0], sampled=True), Chunk([0, 0], 0, two_tokens, sampled=True)]
     bounds = runner.backend.capabilities.warm_up_decode_bounds
     steps = [(mixed, None)] + [([Chunk([0], 0, [0], sampled=True)], bound) for bound in bounds]
     for chunks, bound in steps:
         inputs = runner.buffers.pack(chunks, max_context_len=bound)
-        runner.model(inputs.token_ids, inputs.positions, runner.gpu_pool, inputs.meta, runner.backend,
+        runner.model(inputs.token_ids, inputs.positions, runner.device_pool, inputs.meta, runner.backend,
                      inputs.logits_rows)
-    if runner.gpu_pool.num_blocks > 1:
-        runner.backend.copy_blocks(runner.gpu_pool.data, [0], [1])
-    if runner.cpu_pool.num_blocks:
-        copy_blocks_between(runner.gpu_pool, runner.cpu_pool, [0], [0])
-        copy_blocks_between(runner.cpu_pool, runner.gpu_pool, [0], [0])
+    if runner.device_pool.num_blocks > 1:
+        runner.backend.copy_blocks(runner.device_pool.data, [0], [1])
+    if runner.host_pool.num_blocks:
+        copy_blocks_between(runner.device_pool, runner.host_pool, [0], [0])
+        copy_blocks_between(runner.host_pool, runner.device_pool, [0], [0])

@@ -79,7 +79,7 @@ def decode_plan(shape: dict, batch: int, contexts: tuple[int, int], block_size: 
     runner = ModelRunner(model, TorchAttentionBackend(), block_size=block_size, num_gpu_blocks=sum(needed),
                          num_cpu_blocks=0, device=torch.device("cpu"), dtype=torch.float32, max_num_seqs=batch,
                          max_model_len=contexts[1])
-    runner.gpu_pool.data.normal_(generator=gen)
+    runner.device_pool.data.normal_(generator=gen)
     ids = torch.randperm(sum(needed), generator=gen).tolist()
     plan = SchedulerOutput()
     for i, (length, count) in enumerate(zip(context_lens, needed)):
