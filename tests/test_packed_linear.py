@@ -24,6 +24,8 @@ def test_products_are_f_linears_up_to_summation_order(rows, bias):
     x = torch.randn(rows, 80)
     torch.testing.assert_close(packed(x), F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
     assert packed(x.view(rows, 1, 80)).shape == (rows, 1, 96)
+    strided = torch.randn(80, rows).T  # a 2-D view that is not contiguous takes the one-call path too
+    torch.testing.assert_close(packed(strided), F.linear(strided, weight, b), rtol=1e-5, atol=1e-5)
     assert torch.equal(packed.weight_matrix(), weight)
 
 
