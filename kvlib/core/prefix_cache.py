@@ -54,24 +54,7 @@ def match_prefix(token_ids: list[int], block_size: int, cache: "PrefixCache",
     return hits
 
 
-class _NamedBlocks:
-    """What both tiers share: blocks by name, each found only when its tokens match (a hash can collide)."""
-
-    _by_name: dict[int, CachedBlock]
-
-    def __iter__(self) -> Iterator[CachedBlock]:
-        return iter(list(self._by_name.values()))
-
-    @property
-    def num_cached(self) -> int:
-        return len(self._by_name)
-
-    def lookup(self, name: int, tokens: tuple[int, ...]) -> Optional[CachedBlock]:
-        entry = self._by_name.get(name)
-        return entry if entry is not None and entry.tokens == tokens else None
-
-
-class PrefixCache(_NamedBlocks):
+class PrefixCache:
     """The device tier: named full blocks, with one reference each held by the cache."""
 
     def __init__(self, allocator):
@@ -83,9 +66,20 @@ class PrefixCache(_NamedBlocks):
     def __contains__(self, block_id: int) -> bool:
         return block_id in self._by_block
 
+    def __iter__(self) -> Iterator[CachedBlock]:
+        return iter(list(self._by_name.values()))
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_name)
+
     @property
     def num_evictable(self) -> int:
         return len(self._evictable)
+
+    def lookup(self, name: int, tokens: tuple[int, ...]) -> Optional[CachedBlock]:
+        entry = self._by_name.get(name)
+        return entry if entry is not None and entry.tokens == tokens else None
 
     def insert(self, name: int, tokens: tuple[int, ...], block_id: int) -> None:
         """Name a block a sequence has just filled (or copied back); the cache takes a reference."""
@@ -116,15 +110,30 @@ class PrefixCache(_NamedBlocks):
         return entry
 
 
-class HostPrefixTier(_NamedBlocks):
-    """Blocks evicted from the device cache, kept in the host pool, least recently used first out."""
+class HostPrefixTier:
+    """Blocks evicted from the device cache, kept in the host pool, least recently used first out.
+
+    Lab 10's reference: the grading sandbox stubs every method of this class, so each is its own (none
+    inherited), though ``lookup`` and ``__iter__`` read as ``PrefixCache``'s do.
+    """
 
     def __init__(self, host_allocator):
         self.allocator = host_allocator
         self._by_name: OrderedDict[int, CachedBlock] = OrderedDict()
 
+    def __iter__(self) -> Iterator[CachedBlock]:
+        return iter(list(self._by_name.values()))
+
     def __contains__(self, name: int) -> bool:
         return name in self._by_name
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_name)
+
+    def lookup(self, name: int, tokens: tuple[int, ...]) -> Optional[CachedBlock]:
+        entry = self._by_name.get(name)
+        return entry if entry is not None and entry.tokens == tokens else None
 
     def put(self, name: int, tokens: tuple[int, ...], host_block: int) -> None:
         """Keep ``host_block`` (already allocated, its reference now the tier's) under ``name``."""
