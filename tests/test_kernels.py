@@ -281,6 +281,22 @@ def test_store_kv_matches_reference(block_size, key_dtype, cache_dtype):
     torch.testing.assert_close(data, expected, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("skipped", [[], [2, 5]], ids=["every slot", "two skipped"])
+@pytest.mark.parametrize("cache_dtype", [FP32, FP16])
+def test_the_torch_backends_store_matches_the_reference(skipped, cache_dtype):
+    """Its mask-free path on a CPU (no slot skipped, same dtype) and the reference it falls back on write alike."""
+    data, k_cache, v_cache = make_pool(16, 16, cache_dtype)
+    expected, k_expected, v_expected = make_pool(16, 16, cache_dtype)
+    slots = torch.randperm(16 * 16, generator=torch.Generator().manual_seed(3))[:9]
+    slots[skipped] = -1
+    slots = slots.to(DEVICE)
+    key = randn(9, KV_HEADS + 1, HEAD_DIM, dtype=cache_dtype, seed=4)[:, :KV_HEADS]  # strided, as the model's
+    value = randn(9, KV_HEADS, HEAD_DIM, dtype=cache_dtype, seed=5)
+    TorchAttentionBackend().store_kv(key, value, k_cache, v_cache, slots)
+    store_kv_reference(key, value, k_expected, v_expected, slots)
+    torch.testing.assert_close(data, expected, atol=0, rtol=0)
+
+
 def test_copy_blocks_matches_indexing():
     data, _, _ = make_pool(8, 16, FP32)
     expected = data.clone()
