@@ -160,6 +160,6 @@ def test_without_onednn_bfloat16_projections_multiply_in_bfloat16(monkeypatch):
 
 def test_the_start_up_line_says_what_the_projections_compute_with(capsys):
     LLM("default", EngineConfig(num_gpu_blocks=8, device="cpu", weight_format="bfloat16"))
-    expected = ("bfloat16 in oneDNN's packed layout; language-model head packed"
+    expected = ("bfloat16 in oneDNN's packed layout; language-model head bfloat16, packed"
                 if packing_available(torch.device("cpu"), torch.float32) else "bfloat16 in torch's nn.Linear")
     assert f"kvlib: projections {expected}" in capsys.readouterr().out

@@ -51,8 +51,9 @@ class DemoOptions:
                                 "built-in model; default: the tiny built-in model (no conversion); or "
                                 "smollm2-135m, a model folder, a .gguf file")
     weight_format: str = option("auto", "auto: bfloat16 projections for SmolLM2 on a CPU with bfloat16 dot products "
-                                        "(its fastest path here; sampled text needs no float32 exactness), else "
-                                        "float32; or float32, bfloat16, q4_1 (EngineConfig.weight_format)")
+                                        "(1.4-1.6x float32's speed there, close to its logits; sampled text needs no "
+                                        "float32 exactness), else float32; or float32, bfloat16, q4_1 (faster still "
+                                        "at a few sequences, further from float32): EngineConfig.weight_format")
     plot_path: str = option("kvlib-output/demo_timeline.png", "where the KV usage timeline is saved")
     pool_view_path: str = option("kvlib-output/demo_pool.png",
                                  "where the block-pool view is saved (.png: six steps; .gif: an animation)")
@@ -73,7 +74,8 @@ def demo_model(requested: str) -> str:
 
 
 def demo_weight_format(requested: str, model: str) -> str:
-    """The weight format the demo serves in: ``requested``, or for ``auto`` the fastest one this machine serves."""
+    """The weight format the demo serves in: ``requested``, or for ``auto`` bfloat16 where this machine computes it
+    fast and float32 elsewhere."""
     if requested != "auto":
         return requested
     import torch

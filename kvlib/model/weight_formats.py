@@ -181,5 +181,7 @@ def describe_weights(model: nn.Module) -> str:
     else:
         dtype = torch.bfloat16 if isinstance(projection, BFloat16Linear) else projection.weight.dtype
         what = f"{str(dtype).removeprefix('torch.')} in torch's nn.Linear"
-    head = "packed" if isinstance(model.lm_head, PackedLinear) else "nn.Linear"
+    head = model.lm_head
+    head = (f"{str(head.compute_dtype).removeprefix('torch.')}, packed" if isinstance(head, PackedLinear)
+            else "nn.Linear")
     return f"kvlib: projections {what}; language-model head {head}"
