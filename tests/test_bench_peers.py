@@ -41,13 +41,16 @@ def test_tiny_run_without_onnxruntime_genai(checkpoint, monkeypatch):
         assert 0 < row["min"] <= row["decode tok/s"] <= row["max"]
         assert row["kvlib fp32 / this"] == pytest.approx(rows[2 * (row["batch"] == 3)]["decode tok/s"] / row["decode tok/s"])
     assert agree == [{"batch": b, "engine": "transformers fp32", "% tokens equal to kvlib fp32": 100.0,
-                      "sequences identical": b, "of": b} for b in (1, 3)]
+                      "sequences identical": b, "of": b, "median tokens before the first difference": 6}
+                     for b in (1, 3)]
 
 
 def test_decoded_counts_the_tokens_after_the_first():
     decoded = peers.Decoded([[1, 2, 3], [4, 5, 6]], decode_seconds=2.0)
     assert decoded.decode_tokens_per_s() == 2.0
     assert peers.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 0], [4, 5, 6]]) == pytest.approx(500 / 6)
+    assert peers.tokens_before_difference([1, 2, 3, 4], [1, 2, 0, 4]) == 2  # position 3 agrees again: not counted
+    assert peers.tokens_before_difference([1, 2], [1, 2]) == 2 and peers.tokens_before_difference([5], [6]) == 0
 
 
 def test_bad_batches_are_refused(capsys):

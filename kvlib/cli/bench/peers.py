@@ -218,6 +218,12 @@ def build_engines(opts: PeersOptions, folder: Path) -> tuple[list, str | None]:
     return engines, "; ".join(notes) or None
 
 
+def tokens_before_difference(reference: list[int], other: list[int]) -> int:
+    """How many leading tokens ``other`` shares with ``reference``: past the first difference, a greedy sequence
+    continues from another context, so its later positions say little about the arithmetic."""
+    return next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+
+
 def agreement(reference: list[list[int]], other: list[list[int]]) -> float:
     """Percent of positions where ``other`` holds ``reference``'s token."""
     pairs = [(a, b) for ref, oth in zip(reference, other) for a, b in zip(ref, oth)]
@@ -251,7 +257,9 @@ def run_peers(opts: PeersOptions, engines: list) -> tuple[list[dict], list[dict]
     agree = [{"batch": batch, "engine": name,
               f"% tokens equal to {baseline}": agreement(tokens[(baseline, batch)], tokens[(name, batch)]),
               "sequences identical": sum(a == b for a, b in zip(tokens[(baseline, batch)], tokens[(name, batch)])),
-              "of": batch} for batch in opts.batches for name in others]
+              "of": batch, "median tokens before the first difference": statistics.median(
+                  tokens_before_difference(a, b) for a, b in zip(tokens[(baseline, batch)], tokens[(name, batch)]))}
+             for batch in opts.batches for name in others]
     return rows, agree
 
 
