@@ -95,7 +95,8 @@ def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, i
     return run
 
 
-def copy_probes(device_pool: KVCachePool, num_blocks: int = COPY_PROBE_BLOCKS, seed: int = 0) -> tuple[Callable, Callable]:
+def copy_probes(device_pool: KVCachePool, num_blocks: int = COPY_PROBE_BLOCKS,
+                seed: int = 0) -> tuple[Callable, Callable]:
     """Batched copies to the host of one block and of ``num_blocks``, scattered over the pool as a victim's are."""
     num_blocks = max(1, min(num_blocks, device_pool.num_blocks))
     host = KVCachePool(device_pool.spec, num_blocks, "cpu", pin_memory=device_pool.device.type == "cuda")
@@ -188,7 +189,8 @@ def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int 
         if compute_bound or 4 * q > MAX_PROBE_TOKENS:
             break
         q *= 2
-    call, link = fit_copy(copy_one, copy_many, min(COPY_PROBE_BLOCKS, device_pool.num_blocks), device_pool.spec.block_bytes)
+    call, link = fit_copy(copy_one, copy_many, min(COPY_PROBE_BLOCKS, device_pool.num_blocks),
+                          device_pool.spec.block_bytes)
     return PreemptionCostModel(host_link_bytes_per_s=link, copy_call_seconds=call, **timings.fit())
 
 
@@ -212,16 +214,17 @@ def victim_calls(runner, num_tokens: int, batch: int = 4, batch_context: int = 6
     packed into the batch's pass, whose cost is what it adds to ``"batch"``.
     """
     rng = rng or random.Random(0)
-    gpu, cpu = runner.device_pool, runner.host_pool
+    device, host = runner.device_pool, runner.host_pool
     decode = [(1, batch_context)] * batch
-    num_blocks = -(-num_tokens // gpu.spec.block_size)
-    device_ids, host_ids = rng.sample(range(gpu.num_blocks), num_blocks), rng.sample(range(cpu.num_blocks), num_blocks)
+    num_blocks = -(-num_tokens // device.spec.block_size)
+    device_ids = rng.sample(range(device.num_blocks), num_blocks)
+    host_ids = rng.sample(range(host.num_blocks), num_blocks)
 
     def swap():
-        copy_blocks_between(gpu, cpu, device_ids, host_ids)
-        copy_blocks_between(cpu, gpu, host_ids, device_ids)
-    return {"batch": forward_pass(runner.model, gpu, runner.backend, decode), "swap": swap,
-            "batch with the victim": forward_pass(runner.model, gpu, runner.backend, decode + [(num_tokens, 0)])}
+        copy_blocks_between(device, host, device_ids, host_ids)
+        copy_blocks_between(host, device, host_ids, device_ids)
+    return {"batch": forward_pass(runner.model, device, runner.backend, decode), "swap": swap,
+            "batch with the victim": forward_pass(runner.model, device, runner.backend, decode + [(num_tokens, 0)])}
 
 
 def time_victims(runner, lengths: list[int], batch: int = 4, batch_context: int = 64, repeats: int = REPEATS,
@@ -254,18 +257,18 @@ def time_returning_turns(runner, contexts: list[int], new_tokens: int, repeats: 
                          min_seconds: float = MIN_SECONDS, seed: int = 0) -> list[ReturningTiming]:
     """Serve each returning turn both ways in ``runner``'s own pools, every pass and copy in turns with the others."""
     rng = random.Random(seed)
-    gpu, cpu = runner.device_pool, runner.host_pool
+    device, host = runner.device_pool, runner.host_pool
     fns = []
     for context in contexts:
-        num_blocks = context // gpu.spec.block_size
-        device_ids = rng.sample(range(gpu.num_blocks), num_blocks)
-        host_ids = rng.sample(range(cpu.num_blocks), num_blocks)
+        num_blocks = context // device.spec.block_size
+        device_ids = rng.sample(range(device.num_blocks), num_blocks)
+        host_ids = rng.sample(range(host.num_blocks), num_blocks)
 
         def copies(device_ids=device_ids, host_ids=host_ids):
-            copy_blocks_between(gpu, cpu, device_ids, host_ids)  # an evicted prefix out
-            copy_blocks_between(cpu, gpu, host_ids, device_ids)  # the returning one in
-        fns += [forward_pass(runner.model, gpu, runner.backend, [(context + new_tokens, 0)]), copies,
-                forward_pass(runner.model, gpu, runner.backend, [(new_tokens, context)])]
+            copy_blocks_between(device, host, device_ids, host_ids)  # an evicted prefix out
+            copy_blocks_between(host, device, host_ids, device_ids)  # the returning one in
+        fns += [forward_pass(runner.model, device, runner.backend, [(context + new_tokens, 0)]), copies,
+                forward_pass(runner.model, device, runner.backend, [(new_tokens, context)])]
     times = best_in_turns(fns, runner.device, repeats, min_seconds)
     return [ReturningTiming(c, recompute, copy + new) for c, recompute, copy, new in
             zip(contexts, times[0::3], times[1::3], times[2::3])]
