@@ -28,7 +28,7 @@ from kvlib.core.sequence import Sequence, sample_stream_seed
 from kvlib.metrics import EngineMetrics, StepRecord
 from kvlib.model.catalog import gguf_source, resolve_model_folder
 from kvlib.model.loader import load_model
-from kvlib.model.weight_formats import describe_weights, use_weight_format
+from kvlib.model.weight_formats import describe_weights, dtype_name, use_weight_format
 from kvlib.outputs import RequestOutput, SampleOutput
 from kvlib.runner.device import choose_attention_backend, make_attention_backend, resolve_device, resolve_dtype
 from kvlib.runner.model_runner import ModelRunner
@@ -63,7 +63,8 @@ class LLMEngine:
         self.runner.capture_decode_graphs()
         self.cost_model = self._probe_cost_model(verbose) if config.preemption_mode == "auto" else None
         self.block_manager, self.scheduler = build_core(
-            config, pieces, num_device_blocks=self.runner.device_pool.num_blocks, block_bytes=self.runner.spec.block_bytes,
+            config, pieces, num_device_blocks=self.runner.device_pool.num_blocks,
+            block_bytes=self.runner.spec.block_bytes,
             eos_token_ids=frozenset(self.model_config.eos_token_ids), max_model_len=self.max_model_len,
             cost_model=self.cost_model)
         self.metrics = EngineMetrics(history=config.metrics_history)
@@ -83,10 +84,10 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         folder = resolve_model_folder(model)
         loaded = self._in_weight_format(load_model(folder, self.device, self.dtype), model)
-        model, self.model_config = loaded, loaded.config
+        self.model_config = loaded.config
         self.tokenizer = Tokenizer.from_folder(folder)
         self.max_model_len = self._max_model_len()
-        return model
+        return loaded
 
     def _in_weight_format(self, model, source):
         """The projections in ``config.weight_format``: a CPU's float32 model only; q4_1 from the GGUF file itself."""
@@ -96,10 +97,12 @@ class LLMEngine:
             return use_weight_format(model, fmt) if on_cpu_in_float32 else model
         if not on_cpu_in_float32:
             raise ValueError(f"weight_format={fmt!r} is for a float32 model on a CPU, but this engine runs "
-                             f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; on a GPU use "
+                             f"{dtype_name(self.dtype)} on {self.device.type}; on a GPU use "
                              f"dtype='bfloat16' instead, or weight_format='float32'")
-        gguf = gguf_source(source) if fmt == "q4_1" else None
-        if fmt == "q4_1" and gguf is None:
+        if fmt == "bfloat16":
+            return use_weight_format(model, fmt)
+        gguf = gguf_source(source)
+        if gguf is None:
             raise ValueError(f"weight_format='q4_1' takes the projections from the model's own GGUF file, but "
                              f"{source!r} is not a GGUF model; pass a .gguf file or a catalog name such as "
                              f"'smollm2-135m', or weight_format='bfloat16'")

@@ -81,10 +81,10 @@ def demo_weight_format(requested: str, model: str) -> str:
     import torch
 
     from kvlib.model.weight_formats import bf16_dot_products
-    if model == "default" or torch.cuda.is_available() or bf16_dot_products() is None:
+    flag = bf16_dot_products()
+    if model == "default" or torch.cuda.is_available() or flag is None:
         return "float32"
-    print(f"kvlib demo: bfloat16 projections (this CPU has {bf16_dot_products()}; `--weight-format float32` for "
-          "the exact ones)")
+    print(f"kvlib demo: bfloat16 projections (this CPU has {flag}; `--weight-format float32` for the exact ones)")
     return "bfloat16"
 
 

@@ -171,17 +171,19 @@ def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> 
     return model
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def describe_weights(model: nn.Module) -> str:
     """What a model's projections compute with, as the engine's start-up line says it."""
-    projection = model.model.layers[0].mlp.down_proj
+    projection, head = model.model.layers[0].mlp.down_proj, model.lm_head
     if isinstance(projection, Q4Linear):
         what = "q4_1, the GGUF file's 4-bit codes in torch's int4 CPU kernel"
     elif isinstance(projection, PackedLinear):
-        what = f"{str(projection.compute_dtype).removeprefix('torch.')} in oneDNN's packed layout"
+        what = f"{dtype_name(projection.compute_dtype)} in oneDNN's packed layout"
     else:
         dtype = torch.bfloat16 if isinstance(projection, BFloat16Linear) else projection.weight.dtype
-        what = f"{str(dtype).removeprefix('torch.')} in torch's nn.Linear"
-    head = model.lm_head
-    head = (f"{str(head.compute_dtype).removeprefix('torch.')}, packed" if isinstance(head, PackedLinear)
-            else "nn.Linear")
-    return f"kvlib: projections {what}; language-model head {head}"
+        what = f"{dtype_name(dtype)} in torch's nn.Linear"
+    head_format = f"{dtype_name(head.compute_dtype)}, packed" if isinstance(head, PackedLinear) else "nn.Linear"
+    return f"kvlib: projections {what}; language-model head {head_format}"

@@ -253,13 +253,17 @@ def run_peers(opts: PeersOptions, engines: list) -> tuple[list[dict], list[dict]
             median = statistics.median(runs)
             rows.append({"batch": batch, "engine": engine.name, "decode tok/s": median, "min": min(runs),
                          "max": max(runs), f"{baseline} / this": base / median})
-    others = [e.name for e in engines[1:]]
-    agree = [{"batch": batch, "engine": name,
-              f"% tokens equal to {baseline}": agreement(tokens[(baseline, batch)], tokens[(name, batch)]),
-              "sequences identical": sum(a == b for a, b in zip(tokens[(baseline, batch)], tokens[(name, batch)])),
-              "of": batch, "median tokens before the first difference": statistics.median(
-                  tokens_before_difference(a, b) for a, b in zip(tokens[(baseline, batch)], tokens[(name, batch)]))}
-             for batch in opts.batches for name in others]
+    agree = []
+    for batch in opts.batches:
+        reference = tokens[(baseline, batch)]
+        for engine in engines[1:]:
+            other = tokens[(engine.name, batch)]
+            pairs = list(zip(reference, other))
+            agree.append({"batch": batch, "engine": engine.name,
+                          f"% tokens equal to {baseline}": agreement(reference, other),
+                          "sequences identical": sum(a == b for a, b in pairs), "of": batch,
+                          "median tokens before the first difference": statistics.median(
+                              tokens_before_difference(a, b) for a, b in pairs)})
     return rows, agree
 
 
