@@ -51,7 +51,8 @@ def lab(tmp_path_factory):
     port, token = free_port(), "kvlib-test"
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root"],
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root",
+         "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp, for wait_for_kernel
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(settings), "JUPYTERLAB_WORKSPACES_DIR": str(settings / "ws")})
     base = f"http://127.0.0.1:{port}"
@@ -70,36 +71,26 @@ def lab(tmp_path_factory):
 
 
 def fail_on_dialog(page, when: str) -> None:
-    """Fail on any dialog but "Select Kernel", which JupyterLab shows now and then when a notebook
-    opens before the kernel list has loaded; that one is answered with its default, the notebook's
-    own Python 3 kernel."""
+    """Fail on any dialog: with the kernel connected before Run All (``wait_for_kernel``) none is expected."""
     dialog = page.locator(".jp-Dialog")
-    if dialog.count() and "Select Kernel" in dialog.first.inner_text():
-        accept_until_closed(dialog)
-        page.get_by_text("Kernel status: Idle").first.wait_for(state="attached", timeout=120_000)
     if dialog.count():
         page.screenshot(path=str(SCREENSHOTS / "dialog.png"))
         pytest.fail(f"{when}: JupyterLab showed a dialog: {dialog.first.inner_text()[:500]}")
 
 
-def accept_until_closed(dialog, tries: int = 10) -> None:
-    """Click the dialog's default button until it closes, within 30 s: a click that lands while the dialog is
-    still being built is lost (a fresh-clone run once saw "Select Kernel" stay open 30 s after one click)."""
-    for _ in range(tries):
-        if not dialog.count():
-            return
-        try:
-            dialog.locator(".jp-Dialog-button.jp-mod-accept").first.click(timeout=3_000)
-            dialog.first.wait_for(state="detached", timeout=3_000)  # it closes a moment after the click
-            return
-        except sync_api.TimeoutError:
-            continue
-    pytest.fail(f"the dialog stayed open after {tries} clicks on its default button: {dialog.first.inner_text()[:500]}")
+def wait_for_kernel(page) -> None:
+    """Wait until the notebook's kernel is connected and idle, read from JupyterLab's own session. The status
+    bar's "Idle" can show before the connection is up, and Run All then finds no kernel and asks "Select
+    Kernel" (on a busy machine, every time)."""
+    page.wait_for_function("""() => {
+        const kernel = window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel;
+        return kernel?.connectionStatus === 'connected' && kernel.status === 'idle';
+    }""", timeout=120_000)
 
 
 def run_all(page) -> None:
-    """Run All from the menu, again if no cell started: a kernel that reads "Idle" before its
-    connection is up drops the request (seen now and then: every prompt still "[ ]" minutes later)."""
+    """Run All from the menu, again if no cell started within 20 s (a request lost on its way to the kernel
+    leaves every prompt at "[ ]" for good)."""
     for _ in range(5):
         fail_on_dialog(page, "before Run All")
         page.get_by_role("menuitem", name="Run", exact=True).click()
@@ -116,7 +107,7 @@ def run_all_and_save(page, base: str, token: str, root: Path, name: str) -> None
     workspace = f"lesson{name[:2]}"  # a workspace of its own: this notebook's tab is the only one
     page.goto(f"{base}/lab/workspaces/{workspace}/tree/notebooks/{name}?token={token}")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
-    page.get_by_text("Kernel status: Idle").first.wait_for(state="attached", timeout=120_000)  # the kernel is up
+    wait_for_kernel(page)
     run_all(page)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
