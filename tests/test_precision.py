@@ -23,8 +23,8 @@ PROMPTS = [[1, 2, 3, 400, 500, 600, 7000, 800], [50, 60, 70, 80, 90, 100], [9, 1
 MAX_TOKENS = 24
 # max |logit - float32 logit| over every position of every prompt, in units of float32's logit spread (std)
 # (both multiply in bfloat16, the language-model head too). Measured at most 0.38 and 0.74 on an AMD EPYC with
-# AVX512-BF16, 0.53 and 0.74 on an Intel Xeon with AMX, both times at the third position of the first prompt (the
-# mean is 0.01-0.07): the CPU's bfloat16 kernels round differently, so the bound leaves room for both.
+# AVX512-BF16, 0.53 and 0.74 on an Intel Xeon with AMX (there at the third position of the first prompt; the mean
+# is 0.01-0.07): the CPUs' bfloat16 kernels round differently, so the bound leaves room for both.
 LOGIT_TOLERANCE = {"bfloat16": 0.75, "q4_1": 1.0}
 # share of greedy positions equal to float32's, counted after any divergence too (measured: bf16 0.92 AMD, 0.91
 # Intel; q4_1 0.96 AMD, 0.99 Intel); one early divergence moves every later position of its prompt
