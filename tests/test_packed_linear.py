@@ -1,14 +1,18 @@
 """PackedLinear: oneDNN's layout of a projection computes F.linear's products, and a CPU float32 engine uses it.
 
-The token-exactness tests against transformers (tests/test_matches_transformers.py and the others) run
-on packed projections too, since every CPU float32 engine packs; here the packing itself is checked.
+A float32 engine packs only the matrices of at least ``PACK_MIN_BYTES``; the tiny checkpoints of the
+token-exactness tests (tests/test_matches_transformers.py and the others) have none that large, so they
+run in nn.Linear, and the packed path is held to transformers' tokens here.
 """
+import random
+
 import pytest
 import torch
 import torch.nn.functional as F
+from checkpoints import ARCHITECTURES, hf_greedy
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.model import weight_formats
+from kvlib.model import packed_linear, weight_formats
 from kvlib.model.packed_linear import PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.device("cpu"), torch.float32),
@@ -38,23 +42,45 @@ def test_bfloat16_packing_multiplies_in_bfloat16_and_answers_in_the_inputs_dtype
     torch.testing.assert_close(out, F.linear(x.bfloat16(), weight.bfloat16()).float(), rtol=1e-2, atol=1e-2)
 
 
-def test_a_cpu_float32_engine_packs_every_projection_and_the_head():
-    llm = LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu"), verbose=False)
-    model = llm.engine.runner.model
-    for layer in model.model.layers:
-        for path in weight_formats.LAYER_PROJECTIONS:
-            assert isinstance(layer.get_submodule(path), PackedLinear), path
-    assert isinstance(model.lm_head, PackedLinear)
+def test_a_cpu_float32_engine_packs_the_matrices_of_a_mib_or_more():
+    """The built-in model has both kinds: 2048 x 192 floats in its head (1.5 MB), at most 512 x 192 in a layer."""
+    model = LLM("default", EngineConfig(num_gpu_blocks=16, device="cpu"), verbose=False).engine.runner.model
+    matrices = [layer.get_submodule(path) for layer in model.model.layers for path in weight_formats.LAYER_PROJECTIONS]
+    matrices.append(model.lm_head)
+    for matrix in matrices:
+        size = matrix.out_features * matrix.in_features * 4
+        assert isinstance(matrix, PackedLinear) == (size >= packed_linear.PACK_MIN_BYTES), (matrix, size)
+    assert {isinstance(m, PackedLinear) for m in matrices} == {True, False}
     if model.config.tie_word_embeddings:  # the head is a packed copy; the embedding keeps the weights it reads
         assert torch.equal(model.lm_head.weight_matrix(), model.model.embed_tokens.weight)
+
+
+def packing_everything(monkeypatch) -> None:
+    monkeypatch.setattr(packed_linear, "PACK_MIN_BYTES", 0)
 
 
 def test_packed_and_plain_engines_give_the_same_greedy_tokens(monkeypatch):
     prompts = [[5, 6, 7, 8], [9] * 11, list(range(3, 40))]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    packed = LLM("default", EngineConfig(num_gpu_blocks=32, device="cpu"), verbose=False).generate(prompts, params)
+    packing_everything(monkeypatch)
+    packed_llm = LLM("default", EngineConfig(num_gpu_blocks=32, device="cpu"), verbose=False)
+    assert isinstance(packed_llm.engine.runner.model.model.layers[0].mlp.down_proj, PackedLinear)
+    packed = packed_llm.generate(prompts, params)
     monkeypatch.setattr(weight_formats, "packing_available", lambda device, dtype: False)
     plain_llm = LLM("default", EngineConfig(num_gpu_blocks=32, device="cpu"), verbose=False)
     assert isinstance(plain_llm.engine.runner.model.lm_head, torch.nn.Linear)
     plain = plain_llm.generate(prompts, params)
     assert [o.token_ids for o in packed] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_an_engine_packing_every_matrix_gives_transformers_tokens(arch, checkpoint, monkeypatch):
+    packing_everything(monkeypatch)
+    folder, rng = checkpoint(arch), random.Random(arch)
+    prompts = [[rng.randrange(96) for _ in range(n)] for n in (1, 5, 17, 40)]
+    llm = LLM(folder, EngineConfig(block_size=16, num_gpu_blocks=512), verbose=False)
+    model = llm.engine.runner.model
+    assert all(isinstance(model.model.layers[0].get_submodule(path), PackedLinear)
+               for path in weight_formats.LAYER_PROJECTIONS)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=20))
+    assert [o.token_ids for o in outs] == [hf_greedy(folder, p, 20) for p in prompts]

@@ -69,7 +69,7 @@ def test_unknown_format_and_missing_file_are_refused():
 def test_a_model_already_in_a_format_is_refused():
     llm = LLM("default", EngineConfig(num_gpu_blocks=8, device="cpu"))
     with pytest.raises(ValueError, match="already PackedLinear: load the model again"):
-        weight_formats.use_weight_format(llm.engine.runner.model, "bfloat16")  # the engine packed it at load
+        weight_formats.use_weight_format(llm.engine.runner.model, "bfloat16")  # the engine packed its head at load
 
 
 try:

@@ -6,15 +6,18 @@ weights at about half the speed one core can read memory (MKL on an AMD CPU, mea
 BENCHMARKS.md: 33.6 ms for SmolLM2-135M's projections at one row, 128 ms at 32). oneDNN, also built
 into torch, runs on what the CPU's flags say it has; with the weights reordered into its blocked
 layout ahead of time (``torch.ops.mkldnn._reorder_linear_weight``), the same pass takes 14 ms and 42
-ms. The layout is chosen for a batch of ``LAYOUT_ROWS`` rows and serves any number of rows. Each call
-costs oneDNN about 12 us however small the product, so a model small enough to sit in cache (the
-built-in one) runs a one-row step about a fifth slower than through ``F.linear``, and its larger
-batches faster.
+ms (on an Intel CPU, where MKL is at home: 35.7 ms packed against MKL's 30.9 at one row, 43.7 against
+73.4 at eight). The layout is chosen for a batch of ``LAYOUT_ROWS`` rows and serves any number of rows.
+
+Each call costs oneDNN about 12 us however small the product, which a matrix that a core's cache holds
+never earns back: a float32 engine packs only matrices of at least ``PACK_MIN_BYTES``
+(``worth_packing``). SmolLM2's are all larger; the built-in model keeps its layers in ``nn.Linear`` and
+packs only its 1.5 MB head (``kvlib bench engine`` on an Intel Xeon: 2,143 output tokens/s with every
+matrix packed, 2,454 this way, 2,498 with none).
 
 The products are float32 (or bfloat16 for the bfloat16 weight format) like ``F.linear``'s, summed in
-another order, so they differ from transformers' in the last bits; the token-exactness tests against
-transformers run on them (every CPU float32 engine packs), and ``tests/test_packed_linear.py`` checks
-the products and that packed and plain engines pick the same greedy tokens.
+another order, so they differ from transformers' in the last bits; ``tests/test_packed_linear.py`` checks
+the products, which matrices an engine packs, and that packed and plain engines pick the same greedy tokens.
 """
 from __future__ import annotations
 
@@ -22,12 +25,18 @@ import torch
 from torch import nn
 
 LAYOUT_ROWS = 32  # the batch the weight layout is chosen for: faster at 1, 8 and 32 rows than a layout for 1
+PACK_MIN_BYTES = 1 << 20  # a float32 matrix smaller than this stays in nn.Linear: it is read from cache
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether this torch can pack a ``dtype`` projection for ``device``: oneDNN on a CPU, float32 or bfloat16."""
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def worth_packing(weight: torch.Tensor) -> bool:
+    """Whether a float32 projection gains from oneDNN's layout: one whose weights stream from memory."""
+    return weight.numel() * weight.element_size() >= PACK_MIN_BYTES
 
 
 class PackedLinear(nn.Module):

@@ -7,7 +7,7 @@ slow, so smaller weights are most of what a CPU can gain:
 - ``"bfloat16"``: each projection's weights in bfloat16, activations cast to bfloat16 for the
   matmul (bf16 dot products, where the CPU has them: ``bf16_dot_products``), its output back in
   float32; the language-model head too where it is packed (a copy of the embedding it may be tied
-  to: 0.4 of a logit's spread at most on SmolLM2, see tests/test_precision.py); norms, attention and
+  to: about half a logit's spread at most on SmolLM2, see tests/test_precision.py); norms, attention and
   the KV cache stay float32.
 - ``"q4_1"``: the projections straight from the GGUF file's Q4_1 blocks (32 weights, a float16
   scale ``d`` and minimum ``m``: ``w = d * q + m``), never dequantized to float32: the file's 4-bit
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlib.config import WEIGHT_FORMATS
-from kvlib.model.packed_linear import PackedLinear, packing_available
+from kvlib.model.packed_linear import PackedLinear, packing_available, worth_packing
 
 BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 dot products
 Q4_1_GROUP = 32  # weights per Q4_1 block, and per group of the int4 matmul
@@ -138,8 +138,9 @@ def _q4_layer_linear(parts: dict, prefix: str, path: str, pieces, bias: torch.Te
 def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> nn.Module:
     """Swap ``model``'s projections for ``name``'s format, in place; ``q4_1`` reads them from ``gguf``.
 
-    On a CPU whose torch has oneDNN, the float32 and bfloat16 projections and the language-model head
-    are ``PackedLinear`` (``kvlib.model.packed_linear``): the same arithmetic in oneDNN's weight layout.
+    On a CPU whose torch has oneDNN, the bfloat16 projections, the float32 ones of at least a MiB
+    (``worth_packing``) and the language-model head on the same terms are ``PackedLinear``
+    (``kvlib.model.packed_linear``): the same arithmetic in oneDNN's weight layout.
     """
     from kvlib.model.llama import fused_projections
 
@@ -164,9 +165,9 @@ def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> 
             elif name == "bfloat16":
                 replacement = PackedLinear.of(linear, torch.bfloat16) if packs else BFloat16Linear(linear)
             else:
-                replacement = PackedLinear.of(linear) if packs else linear
+                replacement = PackedLinear.of(linear) if packs and worth_packing(linear.weight) else linear
             setattr(owner, attr, replacement)
-    if packs:  # a copy: the embedding it may be tied to keeps its own weights
+    if packs and (name != "float32" or worth_packing(model.lm_head.weight)):  # a copy: the embedding keeps its own
         model.lm_head = PackedLinear.of(model.lm_head, torch.float32 if name == "float32" else torch.bfloat16)
     return model
 
@@ -177,13 +178,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def describe_weights(model: nn.Module) -> str:
     """What a model's projections compute with, as the engine's start-up line says it."""
-    projection, head = model.model.layers[0].mlp.down_proj, model.lm_head
-    if isinstance(projection, Q4Linear):
+    projections, head = [model.model.layers[0].get_submodule(path) for path in LAYER_PROJECTIONS], model.lm_head
+    packed = [p for p in projections if isinstance(p, PackedLinear)]
+    plain = [p for p in projections if not isinstance(p, PackedLinear)]  # nn.Linear or BFloat16Linear
+    if isinstance(projections[0], Q4Linear):
         what = "q4_1, the GGUF file's 4-bit codes in torch's int4 CPU kernel"
-    elif isinstance(projection, PackedLinear):
-        what = f"{dtype_name(projection.compute_dtype)} in oneDNN's packed layout"
+    elif not plain:
+        what = f"{dtype_name(packed[0].compute_dtype)} in oneDNN's packed layout"
     else:
-        dtype = torch.bfloat16 if isinstance(projection, BFloat16Linear) else projection.weight.dtype
-        what = f"{dtype_name(dtype)} in torch's nn.Linear"
+        what = f"{dtype_name(plain[0].weight.dtype)} in torch's nn.Linear"
+        if packed:
+            what += f" ({len(packed)} of {len(projections)} a layer, the largest, in oneDNN's packed layout)"
     head_format = f"{dtype_name(head.compute_dtype)}, packed" if isinstance(head, PackedLinear) else "nn.Linear"
     return f"kvlib: projections {what}; language-model head {head_format}"
