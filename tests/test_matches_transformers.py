@@ -2,10 +2,12 @@
 import random
 
 import pytest
+import torch
 from checkpoints import ARCHITECTURES, hf_greedy
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.core.invariants import check_invariants
+from kvlib.model import packed_linear, weight_formats
 
 PROMPT_LENGTHS = (1, 5, 17, 40)
 MAX_TOKENS = 20
@@ -30,6 +32,21 @@ def references(checkpoint):
 def test_batch_matches_transformers(arch, block_size, checkpoint, references):
     prompts, expected = references(arch)
     llm = LLM(checkpoint(arch), EngineConfig(block_size=block_size, num_gpu_blocks=512), verbose=False)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.skipif(not packed_linear.packing_available(torch.device("cpu"), torch.float32),
+                    reason="this torch has no oneDNN: nothing is packed")
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_batch_matches_transformers_with_every_matrix_packed(arch, checkpoint, references, monkeypatch):
+    """These checkpoints' matrices are all under ``PACK_MIN_BYTES``, so the tests above run them in nn.Linear."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_BYTES", 0)
+    prompts, expected = references(arch)
+    llm = LLM(checkpoint(arch), EngineConfig(block_size=16, num_gpu_blocks=512), verbose=False)
+    layer = llm.engine.runner.model.model.layers[0]
+    assert all(isinstance(layer.get_submodule(path), packed_linear.PackedLinear)
+               for path in weight_formats.LAYER_PROJECTIONS)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == expected
 

@@ -1,15 +1,12 @@
 """PackedLinear: oneDNN's layout of a projection computes F.linear's products, and a CPU float32 engine uses it.
 
 A float32 engine packs only the matrices of at least ``PACK_MIN_BYTES``; the tiny checkpoints of the
-token-exactness tests (tests/test_matches_transformers.py and the others) have none that large, so they
-run in nn.Linear, and the packed path is held to transformers' tokens here.
+token-exactness tests have none that large, so they run in nn.Linear, and
+tests/test_matches_transformers.py holds an engine packing every matrix to transformers' tokens too.
 """
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import ARCHITECTURES, hf_greedy
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.model import packed_linear, weight_formats
@@ -72,15 +69,3 @@ def test_packed_and_plain_engines_give_the_same_greedy_tokens(monkeypatch):
     plain = plain_llm.generate(prompts, params)
     assert [o.token_ids for o in packed] == [o.token_ids for o in plain]
 
-
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_an_engine_packing_every_matrix_gives_transformers_tokens(arch, checkpoint, monkeypatch):
-    packing_everything(monkeypatch)
-    folder, rng = checkpoint(arch), random.Random(arch)
-    prompts = [[rng.randrange(96) for _ in range(n)] for n in (1, 5, 17, 40)]
-    llm = LLM(folder, EngineConfig(block_size=16, num_gpu_blocks=512), verbose=False)
-    model = llm.engine.runner.model
-    assert all(isinstance(model.model.layers[0].get_submodule(path), PackedLinear)
-               for path in weight_formats.LAYER_PROJECTIONS)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=20))
-    assert [o.token_ids for o in outs] == [hf_greedy(folder, p, 20) for p in prompts]

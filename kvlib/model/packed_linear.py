@@ -13,7 +13,7 @@ Each call costs oneDNN about 12 us however small the product, which a matrix tha
 never earns back: a float32 engine packs only matrices of at least ``PACK_MIN_BYTES``
 (``worth_packing``). SmolLM2's are all larger; the built-in model keeps its layers in ``nn.Linear`` and
 packs only its 1.5 MB head (``kvlib bench engine`` on an Intel Xeon: 2,143 output tokens/s with every
-matrix packed, 2,454 this way, 2,498 with none).
+matrix packed, 2,421 this way, 2,498 with none).
 
 The products are float32 (or bfloat16 for the bfloat16 weight format) like ``F.linear``'s, summed in
 another order, so they differ from transformers' in the last bits; ``tests/test_packed_linear.py`` checks
