@@ -56,12 +56,22 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[tokens, heads, head_dim]`` in the half-split convention of HF checkpoints."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+def rope_tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, signed_sin)`` ``[tokens, 1, head_dim]`` of per-pair ``angles`` ``[tokens, head_dim / 2]``, once a step.
+
+    ``signed_sin`` carries the rotation's sign (``-sin`` on the first half), so ``apply_rope`` needs no negation.
+    """
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, head_dim]`` in the half-split convention of HF checkpoints.
+
+    transformers computes ``x * cos + cat(-x2, x1) * sin``; ``roll`` swaps the halves in one op and the sign
+    rides in ``signed_sin``: the same products, bit for bit, in three ops instead of seven.
+    """
+    return (x * cos).add_(x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin))
 
 
 class Attention(nn.Module):
@@ -137,10 +147,8 @@ class LlamaForCausalLM(nn.Module):
     def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_cache, meta: AttentionMetadata,
                       backend) -> torch.Tensor:
         """The last layer's output for every packed token, ``[num_tokens, hidden]``, K/V stored on the way."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
         x = self.model.embed_tokens(token_ids)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rope_tables(positions.float()[:, None] * self.inv_freq[None, :], x.dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_cache.layer(index), meta, backend)
         return x

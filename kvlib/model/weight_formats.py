@@ -72,10 +72,11 @@ class Q4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        flat = x.dim() == 2  # the model's own case: no reshape around the one call
+        rows = (x if flat else x.reshape(-1, self.in_features)).to(torch.bfloat16).contiguous()
         out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, Q4_1_GROUP, self.scales_and_zeros).float()
         out = out if self.bias is None else out.add_(self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if flat else out.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The weights ``[out, in]`` it computes with, in float32 (for tests: the file's, scales in bfloat16)."""
