@@ -168,6 +168,30 @@ def test_roofline_counts_the_step_it_times():
     assert row["% of matmul rate, best"] == pytest.approx(100 * row["step GFLOPS, best"] / row["matmul GFLOPS (32x576x1536)"])
 
 
+def test_step_anatomy_puts_the_projections_back_and_adds_up(monkeypatch):
+    """The stand-ins return zeros of the right shape, every projection is back after the split, and the rest is
+    what the whole step leaves."""
+    from kvlib.cli.bench import roofline
+    built, real_plan = [], roofline.decode_plan
+
+    def decode_plan(*args, **kwargs):
+        runner, plan, lens = real_plan(*args, **kwargs)
+        built.append((runner.model, [getattr(owner, attr) for owner, attr in roofline.projections(runner.model)]))
+        return runner, plan, lens
+    monkeypatch.setattr(roofline, "decode_plan", decode_plan)
+    rows = roofline.step_anatomy(TINY_MODEL, batches=(1, 3), contexts=(20, 40), steps=1)
+
+    assert [row["batch"] for row in rows] == [1, 3]
+    for row in rows:
+        assert row["rest ms"] == pytest.approx(row["step ms"] - row["projections and head alone ms"]
+                                               - row["step without them ms"])
+    for model, modules in built:
+        assert len(modules) == 4 * TINY_MODEL["num_layers"] + 1 and modules[-1] is model.lm_head
+        assert [getattr(owner, attr) for owner, attr in roofline.projections(model)] == modules
+    stand_in = roofline.ZeroProjection(modules[0].out_features)
+    assert torch.equal(stand_in(torch.ones(3, modules[0].in_features)), torch.zeros(3, modules[0].out_features))
+
+
 @settings(max_examples=60, deadline=None)
 @given(steps(decode_only=True))
 def test_in_place_decode_matches_reference(step):

@@ -26,7 +26,8 @@ heads, head dim 64) for 32 sequences of 280 to 320 tokens in shuffled blocks of 
 It reports the milliseconds per step spent in attention and in the whole forward, for
 ``TorchAttentionBackend`` and, side by side, for a backend running ``paged_attention_reference``,
 then the engine's whole decode step (``ModelRunner.forward`` and ``sample``) against this machine's
-own matmul rate (:mod:`kvlib.cli.bench.roofline`). Run it with ``OMP_NUM_THREADS=1`` for figures
+own matmul rate (:mod:`kvlib.cli.bench.roofline`), and what that step is made of at 1, 8 and 32
+sequences (``step_anatomy``: the projections alone, the rest alone). Run it with ``OMP_NUM_THREADS=1`` for figures
 that do not depend on the machine's core count.
 """
 from __future__ import annotations
@@ -174,6 +175,7 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
 CPU_BATCH = 32
 CPU_CONTEXTS = (280, 320)  # each sequence's context length is drawn from this range
+ANATOMY_BATCHES = (1, 8, 32)  # the batch sizes kvlib bench peers compares engines at
 
 
 class TimedBackend:
@@ -268,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(format_table(run_roofline(SMOLLM2_SHAPE, CPU_BATCH, CPU_CONTEXTS),
                            "the engine's decode step (forward and sampling) against this machine's matmul rate"))
+        from kvlib.cli.bench.roofline import step_anatomy
+        print()
+        print(format_table(step_anatomy(SMOLLM2_SHAPE, ANATOMY_BATCHES, CPU_CONTEXTS),
+                           "the same step split (best of 8): its projections and head alone, the step with them "
+                           "returning zeros at no cost, and the rest"))
         return 0
     print(format_table(rows, f"paged decode attention on {torch.cuda.get_device_name()}"))
     return 0

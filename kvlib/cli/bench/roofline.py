@@ -8,21 +8,36 @@ engine's own: ``ModelRunner.forward`` and ``ModelRunner.sample`` for 32 sequence
 of a random model with SmolLM2-135M's shape, so it includes packing the inputs, attention, the
 language-model head and sampling. Its FLOPs are counted from the shapes: every projection, the
 language-model head for each sampled row, and attention's two products over each context.
+
+``step_anatomy`` splits the same step at several batch sizes: the projections and the head called alone
+in a loop (the model's own modules, random rows), the step with each of them swapped for a stand-in that
+returns zeros at no cost (``ZeroProjection``: what the norms, RoPE, the K/V store, attention, residuals
+and sampling cost by themselves), and what is left of the whole step beyond those two: the small
+operations running cold, after each layer's weights have streamed through the caches they were in.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvlib.config import SamplingParams
 from kvlib.model.config import ModelConfig
 from kvlib.model.packed_linear import PackedLinear, packing_available
-from kvlib.model.weight_formats import use_weight_format
+from kvlib.model.weight_formats import LAYER_PROJECTIONS, use_weight_format
 
 MATMUL_SHAPE = (32, 576, 1536)  # (rows, inner, columns)
+
+
+def seconds(fn) -> float:
+    """One call of ``fn``, timed."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def best_seconds(fn, repeats: int, inner: int = 1) -> float:
@@ -111,3 +126,70 @@ def run_roofline(shape: dict, batch: int, contexts: tuple[int, int], steps: int 
              "step ms, median": 1e3 * median, "step GFLOPS, best": flops / best / 1e9,
              "% of matmul rate, best": 100 * flops / best / 1e9 / peak,
              "% of matmul rate, median": 100 * flops / median / 1e9 / peak}]
+
+
+class ZeroProjection(nn.Module):
+    """A projection's stand-in that returns zeros of its output's shape: the step around it, at no matmul's cost."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(x.shape[0], self.out_features)
+
+
+def projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Every layer projection and the language-model head, as ``(owner, attribute)`` in the order a step calls them."""
+    places = []
+    for layer in model.model.layers:
+        for path in LAYER_PROJECTIONS:
+            owner, attr = path.split(".")
+            places.append((getattr(layer, owner), attr))
+    return places + [(model, "lm_head")]
+
+
+@contextmanager
+def zero_projections(model: nn.Module):
+    """``model`` with every projection and its head swapped for ``ZeroProjection``, put back on leaving."""
+    places = projections(model)
+    real = [getattr(owner, attr) for owner, attr in places]
+    for (owner, attr), module in zip(places, real):
+        setattr(owner, attr, ZeroProjection(module.out_features))
+    try:
+        yield
+    finally:
+        for (owner, attr), module in zip(places, real):
+            setattr(owner, attr, module)
+
+
+def step_anatomy(shape: dict, batches: tuple[int, ...], contexts: tuple[int, int], steps: int = 8) -> list[dict]:
+    """Per batch size, the best of ``steps`` rounds, each timing in turn the whole decode step, its projections
+    and head alone, and the step with them swapped for ``ZeroProjection``; the rest is the whole step less the
+    other two."""
+    rows = []
+    for batch in batches:
+        runner, plan, _ = decode_plan(shape, batch, contexts)
+        calls = [(module, torch.randn(batch, module.in_features))
+                 for module in (getattr(owner, attr) for owner, attr in projections(runner.model))]
+
+        def whole_step():
+            runner.sample(runner.forward(plan), plan)
+
+        def projections_alone():
+            with torch.inference_mode():
+                for module, x in calls:
+                    module(x)
+
+        times: dict[str, list[float]] = {}
+        for round_ in range(steps + 1):  # the first round warms up and is not counted
+            timed = {"step ms": seconds(whole_step), "projections and head alone ms": seconds(projections_alone)}
+            with zero_projections(runner.model):
+                timed["step without them ms"] = seconds(whole_step)
+            if round_:
+                for name, took in timed.items():
+                    times.setdefault(name, []).append(took)
+        row = {"batch": batch, **{name: 1e3 * min(t) for name, t in times.items()}}
+        row["rest ms"] = row["step ms"] - row["projections and head alone ms"] - row["step without them ms"]
+        rows.append(row)
+    return rows
