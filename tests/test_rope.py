@@ -12,7 +12,7 @@ def test_apply_rope_equals_transformers_bit_for_bit(dtype):
     tokens, heads, head_dim = 7, 5, 64
     positions = torch.tensor([0, 1, 2, 40, 41, 900, 4095])
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    q = torch.randn(1, heads, tokens, head_dim, generator=generator).to(dtype)  # transformers' [batch, heads, tokens, d]
+    q = torch.randn(1, heads, tokens, head_dim, generator=generator).to(dtype)  # [batch, heads, tokens, d]
     k = torch.randn(1, heads, tokens, head_dim, generator=generator).to(dtype)
     freqs = positions[None, :, None].float() * inv_freq  # transformers' LlamaRotaryEmbedding.forward
     emb = torch.cat((freqs, freqs), dim=-1)

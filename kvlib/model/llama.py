@@ -83,10 +83,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=config.o_proj_bias)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, x, cos, signed_sin, kv_layer, meta: AttentionMetadata, backend) -> torch.Tensor:
         tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(tokens, heads + 2 * kv_heads, self.head_dim)
-        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin)  # q and k rotated together: [tokens, heads + kv_heads, d]
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, signed_sin)  # q and k together: [tokens, heads + kv_heads, d]
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]  # strided views
         k_cache, v_cache = kv_layer
         backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -114,8 +114,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_layer, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, meta, backend)
+    def forward(self, x, cos, signed_sin, kv_layer, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, kv_layer, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,9 +148,9 @@ class LlamaForCausalLM(nn.Module):
                       backend) -> torch.Tensor:
         """The last layer's output for every packed token, ``[num_tokens, hidden]``, K/V stored on the way."""
         x = self.model.embed_tokens(token_ids)
-        cos, sin = rope_tables(positions.float()[:, None] * self.inv_freq[None, :], x.dtype)
+        cos, signed_sin = rope_tables(positions.float()[:, None] * self.inv_freq[None, :], x.dtype)
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache.layer(index), meta, backend)
+            x = layer(x, cos, signed_sin, kv_cache.layer(index), meta, backend)
         return x
 
     @torch.inference_mode()

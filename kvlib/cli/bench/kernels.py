@@ -27,8 +27,8 @@ It reports the milliseconds per step spent in attention and in the whole forward
 ``TorchAttentionBackend`` and, side by side, for a backend running ``paged_attention_reference``,
 then the engine's whole decode step (``ModelRunner.forward`` and ``sample``) against this machine's
 own matmul rate (:mod:`kvlib.cli.bench.roofline`), and what that step is made of at 1, 8 and 32
-sequences (``step_anatomy``: the projections alone, the rest alone). Run it with ``OMP_NUM_THREADS=1`` for figures
-that do not depend on the machine's core count.
+sequences (``step_anatomy``: the projections alone, the rest alone). Run it with ``OMP_NUM_THREADS=1``
+for figures that do not depend on the machine's core count.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ language-model head for each sampled row, and attention's two products over each
 ``step_anatomy`` splits the same step at several batch sizes: the projections and the head called alone
 in a loop (the model's own modules, random rows), the step with each of them swapped for a stand-in that
 returns zeros at no cost (``ZeroProjection``: what the norms, RoPE, the K/V store, attention, residuals
-and sampling cost by themselves), and what is left of the whole step beyond those two: the small
-operations running cold, after each layer's weights have streamed through the caches they were in.
+and sampling cost by themselves), and the rest: what the whole step costs beyond those two, the price of
+running them together (caches one part fills and the other then misses), about nothing at small batches.
 """
 from __future__ import annotations
 
