@@ -171,13 +171,15 @@ IN_PLACE_DTYPES = (torch.float32,)  # what torch's CPU sparse kernels compute in
 def rows_in_place(cache: torch.Tensor) -> torch.Tensor | None:
     """One layer's cache ``[blocks, block_size, kv_heads, head_dim]`` as a ``[rows, head_dim]`` view of the pool's
     memory: kv head ``h`` of token ``o`` in block ``b`` is row ``b * block_rows + o * kv_heads + h``, with
-    ``block_rows = cache.stride(0) // head_dim``. None where the layout or the device does not allow it."""
-    _, _, kv_heads, head_dim = cache.shape
+    ``block_rows = cache.stride(0) // head_dim``. The view ends at the last block's last row, so K and V of every
+    layer have the same rows and one sparse pattern serves them all. None where the layout or the device does
+    not allow it."""
+    blocks, block_size, kv_heads, head_dim = cache.shape
     stride = cache.stride()
     if (cache.device.type != "cpu" or cache.dtype not in IN_PLACE_DTYPES or stride[0] % head_dim
             or tuple(stride[1:]) != (kv_heads * head_dim, head_dim, 1)):
         return None
-    rows = (cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset()) // head_dim
+    rows = (blocks - 1) * (stride[0] // head_dim) + block_size * kv_heads
     return cache.as_strided((rows, head_dim), (head_dim, 1))
 
 
@@ -185,14 +187,14 @@ def rows_in_place(cache: torch.Tensor) -> torch.Tensor | None:
 class DecodePattern:
     """A decode step's visible positions as one sparse matrix over the rows of ``rows_in_place``."""
 
-    crow: torch.Tensor  # [seqs * heads + 1] int64: every row holds ``width`` entries (embedding_bag's offsets)
-    col: torch.Tensor  # [seqs * heads * width] int64, the same for K and V and for every layer
+    sampled: torch.Tensor  # [seqs * heads, rows] sparse CSR, every row ``width`` entries: where sampled_addmm computes
+    col: torch.Tensor  # [seqs * heads * width] int64, its column indices: the same for K and V and for every layer
+    offsets: torch.Tensor  # [seqs * heads] int64, where each row's entries start (embedding_bag's offsets)
     bias: torch.Tensor  # [seqs * heads, width] float32: 0 where visible, -inf on the padding
-    zeros: torch.Tensor  # [seqs * heads * width], the values sampled_addmm scales by beta = 0
 
 
 def decode_pattern(meta: AttentionMetadata, block_size: int, block_rows: int, num_heads: int,
-                   kv_heads: int) -> DecodePattern:
+                   kv_heads: int, num_cache_rows: int) -> DecodePattern:
     """Row ``i * heads + q`` (sequence ``i``, query head ``q``) reads kv head ``q // group`` at the positions it
     sees, ``first .. context_len-1`` (``first`` is 0 without a window), padded to the step's widest by repeating
     its first position, masked."""
@@ -209,9 +211,11 @@ def decode_pattern(meta: AttentionMetadata, block_size: int, block_rows: int, nu
     heads = torch.arange(num_heads, device=lens.device) // (num_heads // kv_heads)
     col = (base[:, None, :] + heads[None, :, None]).flatten()
     num_rows = len(context_lens) * num_heads
+    crow = torch.arange(num_rows + 1, device=lens.device) * width
+    sampled = torch.sparse_csr_tensor(crow, col, torch.zeros(col.shape), (num_rows, num_cache_rows),
+                                      check_invariants=False)
     bias = torch.zeros(hidden.shape, device=lens.device).masked_fill_(hidden, float("-inf"))
-    return DecodePattern(torch.arange(num_rows + 1, device=lens.device) * width, col,
-                         bias[:, None, :].expand(-1, num_heads, -1).reshape(num_rows, width), torch.zeros(col.shape))
+    return DecodePattern(sampled, col, crow[:-1], bias[:, None, :].expand(-1, num_heads, -1).reshape(num_rows, width))
 
 
 def paged_decode_in_place(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -225,14 +229,13 @@ def paged_decode_in_place(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, kv_heads, _ = k_cache.shape
     block_rows = k_cache.stride(0) // head_dim
-    pattern = meta.derive(f"in-place pattern {block_size} {block_rows} {num_heads} {kv_heads}",
-                          lambda: decode_pattern(meta, block_size, block_rows, num_heads, kv_heads))
-    num_rows = num_seqs * num_heads
-    sampled = torch.sparse_csr_tensor(pattern.crow, pattern.col, pattern.zeros, (num_rows, k_rows.shape[0]),
-                                      check_invariants=False)
-    scores = torch.sparse.sampled_addmm(sampled, query.reshape(num_rows, head_dim), k_rows.T, beta=0.0, alpha=scale)
+    num_cache_rows = k_rows.shape[0]
+    pattern = meta.derive(f"in-place pattern {block_size} {block_rows} {num_heads} {kv_heads} {num_cache_rows}",
+                          lambda: decode_pattern(meta, block_size, block_rows, num_heads, kv_heads, num_cache_rows))
+    scores = torch.sparse.sampled_addmm(pattern.sampled, query.reshape(num_seqs * num_heads, head_dim), k_rows.T,
+                                        beta=0.0, alpha=scale)
     probs = scores.values().view(pattern.bias.shape).add_(pattern.bias).softmax(dim=-1)
-    out = F.embedding_bag(pattern.col, v_rows, pattern.crow[:-1], mode="sum", per_sample_weights=probs.flatten())
+    out = F.embedding_bag(pattern.col, v_rows, pattern.offsets, mode="sum", per_sample_weights=probs.flatten())
     return out.view(num_seqs, num_heads, head_dim)
 
 
