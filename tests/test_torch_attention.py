@@ -219,6 +219,22 @@ def test_decode_copies_no_kv_out_of_the_pool(monkeypatch):
     assert len(gathered) == 2, "only the prompt's K and V are gathered"
 
 
+def test_every_layer_views_the_same_rows_up_to_its_last_block():
+    """K and V of every layer are matrices of the same rows (one sparse pattern serves them all), and each ends
+    exactly at its last block's last token's last kv head: nothing a block table can name is cut off."""
+    from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec
+    spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    pool = KVCachePool(spec, 5, "cpu")
+    pool.data.copy_(torch.arange(pool.data.numel(), dtype=torch.float32).view(pool.data.shape))
+    views = [torch_paged.rows_in_place(cache) for layer in range(3) for cache in pool.layer(layer)]
+    assert len({view.shape for view in views}) == 1
+    for layer in range(3):
+        for cache, view in zip(pool.layer(layer), views[2 * layer:2 * layer + 2]):
+            assert torch.equal(view[-1], cache[-1, -1, -1])
+            block_rows = cache.stride(0) // 8
+            assert torch.equal(view[3 * block_rows + 2 * 2 + 1], cache[3, 2, 1])  # block 3, token 2, kv head 1
+
+
 def test_in_place_decode_refuses_what_it_cannot_read():
     """Blocks that are not one run of memory, or a half-precision pool: None, and the backend gathers instead."""
     query, k_cache, v_cache, meta = make_step([30, 5], [1, 1], 4, 2)
