@@ -27,7 +27,7 @@ It reports the milliseconds per step spent in attention and in the whole forward
 ``TorchAttentionBackend`` and, side by side, for a backend running ``paged_attention_reference``,
 then the engine's whole decode step (``ModelRunner.forward`` and ``sample``) against this machine's
 own matmul rate (:mod:`kvlib.cli.bench.roofline`), and what that step is made of at 1, 8 and 32
-sequences (``step_anatomy``: the projections alone, the rest alone). Run it with ``OMP_NUM_THREADS=1``
+sequences (``step_anatomy``: the projections alone, the rest alone, the roofline). Run it with ``OMP_NUM_THREADS=1``
 for figures that do not depend on the machine's core count.
 """
 from __future__ import annotations
@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(format_table(step_anatomy(SMOLLM2_SHAPE, ANATOMY_BATCHES, CPU_CONTEXTS),
                            "the same step split (best of 8): its projections and head alone, the step with them "
-                           "returning zeros at no cost, and the rest"))
+                           "returning zeros at no cost, the rest, and the step against its roofline (its bytes at "
+                           "this machine's memory rate, its FLOPs at the matmul rate)"))
         return 0
     print(format_table(rows, f"paged decode attention on {torch.cuda.get_device_name()}"))
     return 0

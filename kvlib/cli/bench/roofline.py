@@ -14,6 +14,8 @@ in a loop (the model's own modules, random rows), the step with each of them swa
 returns zeros at no cost (``ZeroProjection``: what the norms, RoPE, the K/V store, attention, residuals
 and sampling cost by themselves), and the rest: what the whole step costs beyond those two, the price of
 running them together (caches one part fills and the other then misses), about nothing at small batches.
+Beside them, the step's own roofline: the longer of reading what it must read (every weight once, the K/V of
+every context) at this machine's memory rate (``memory_gbps``) and doing its FLOPs at the matmul rate above.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from kvlib.model.packed_linear import PackedLinear, packing_available
 from kvlib.model.weight_formats import LAYER_PROJECTIONS, use_weight_format
 
 MATMUL_SHAPE = (32, 576, 1536)  # (rows, inner, columns)
+MEMORY_PROBE_BYTES = 512 << 20  # read to measure memory bandwidth: many times any cache
 
 
 def seconds(fn) -> float:
@@ -58,6 +61,12 @@ def matmul_gflops(shape: tuple[int, int, int] = MATMUL_SHAPE, repeats: int = 20)
     x, w = torch.randn(rows, inner, generator=gen), torch.randn(cols, inner, generator=gen)
     linear = PackedLinear(w, None) if packing_available(x.device, x.dtype) else lambda rows: F.linear(rows, w)
     return 2 * rows * inner * cols / best_seconds(lambda: linear(x), repeats, inner=20) / 1e9
+
+
+def memory_gbps(nbytes: int = MEMORY_PROBE_BYTES, repeats: int = 5) -> float:
+    """The rate one thread reads memory here: the best ``sum`` over ``nbytes`` of float32, far beyond the caches."""
+    x = torch.ones(nbytes // 4)
+    return nbytes / best_seconds(lambda: x.sum(), repeats) / 1e9
 
 
 def decode_step_flops(config: ModelConfig, context_lens: list[int]) -> float:
@@ -149,6 +158,16 @@ def projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return places + [(model, "lm_head")]
 
 
+def decode_step_bytes(model: nn.Module, context_lens: list[int]) -> int:
+    """What one decode step must read from memory: every projection's and the head's weights once, as the
+    model holds them, and the K and V of every context position in every layer."""
+    weights = sum(tensor.numel() * tensor.element_size() for owner, attr in projections(model)
+                  for tensor in getattr(owner, attr).state_dict().values())
+    config = model.config
+    kv_per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # float32 K and V
+    return weights + kv_per_position * sum(context_lens)
+
+
 @contextmanager
 def zero_projections(model: nn.Module):
     """``model`` with every projection and its head swapped for ``ZeroProjection``, put back on leaving."""
@@ -163,13 +182,16 @@ def zero_projections(model: nn.Module):
             setattr(owner, attr, module)
 
 
-def step_anatomy(shape: dict, batches: tuple[int, ...], contexts: tuple[int, int], steps: int = 8) -> list[dict]:
+def step_anatomy(shape: dict, batches: tuple[int, ...], contexts: tuple[int, int], steps: int = 8,
+                 gbps: float | None = None, gflops: float | None = None) -> list[dict]:
     """Per batch size, the best of ``steps`` rounds, each timing in turn the whole decode step, its projections
     and head alone, and the step with them swapped for ``ZeroProjection``; the rest is the whole step less the
-    other two."""
+    other two. The roofline is the longer of reading the step's bytes at ``gbps`` and doing its FLOPs at
+    ``gflops`` (this machine's ``memory_gbps`` and ``matmul_gflops`` where not given)."""
+    gbps, gflops = gbps or memory_gbps(), gflops or matmul_gflops()
     rows = []
     for batch in batches:
-        runner, plan, _ = decode_plan(shape, batch, contexts)
+        runner, plan, context_lens = decode_plan(shape, batch, contexts)
         calls = [(module, torch.randn(batch, module.in_features))
                  for module in (getattr(owner, attr) for owner, attr in projections(runner.model))]
 
@@ -191,5 +213,8 @@ def step_anatomy(shape: dict, batches: tuple[int, ...], contexts: tuple[int, int
                     times.setdefault(name, []).append(took)
         row = {"batch": batch, **{name: 1e3 * min(t) for name, t in times.items()}}
         row["rest ms"] = row["step ms"] - row["projections and head alone ms"] - row["step without them ms"]
+        roofline = max(decode_step_bytes(runner.model, context_lens) / gbps / 1e9,
+                       decode_step_flops(runner.model.config, context_lens) / gflops / 1e9)
+        row.update({"roofline ms": 1e3 * roofline, "step / roofline": row["step ms"] / (1e3 * roofline)})
         rows.append(row)
     return rows
