@@ -163,9 +163,11 @@ def test_roofline_counts_the_step_it_times():
     config = ModelConfig(**TINY_MODEL)
     per_token = 2 * (2 * (64 * (6 + 2 * 2) * 16 + 6 * 16 * 64 + 3 * 64 * 128) + 64 * 96)
     assert roofline.decode_step_flops(config, [10, 20]) == 2 * per_token + 2 * 2 * 2 * 6 * 16 * 30
-    model = roofline.decode_plan(TINY_MODEL, 1, (20, 40))[0].model
+    runner = roofline.decode_plan(TINY_MODEL, 1, (20, 40))[0]
     weights = 2 * (64 * (6 + 2 * 2) * 16 + 6 * 16 * 64 + 3 * 64 * 128) + 96 * 64  # every projection, the head
-    assert roofline.decode_step_bytes(model, [10, 20]) == 4 * weights + 4 * (2 * 2 * 2 * 16) * 30  # and K/V, float32
+    kv_per_token = runner.device_pool.spec.bytes_per_token
+    assert kv_per_token == 4 * 2 * 2 * 2 * 16  # float32 K and V, 2 layers, 2 kv heads of 16
+    assert roofline.decode_step_bytes(runner.model, [10, 20], kv_per_token) == 4 * weights + kv_per_token * 30
     row, = roofline.run_roofline(TINY_MODEL, batch=3, contexts=(20, 40), steps=1)
     assert row["step ms, best"] <= row["step ms, median"]
     assert row["% of matmul rate, best"] == pytest.approx(100 * row["step GFLOPS, best"] / row["matmul GFLOPS (32x576x1536)"])
@@ -179,22 +181,22 @@ def test_step_anatomy_puts_the_projections_back_and_adds_up(monkeypatch):
 
     def decode_plan(*args, **kwargs):
         runner, plan, lens = real_plan(*args, **kwargs)
-        built.append((runner.model, [getattr(owner, attr) for owner, attr in roofline.projections(runner.model)], lens))
+        built.append((runner, [getattr(owner, attr) for owner, attr in roofline.projections(runner.model)], lens))
         return runner, plan, lens
     monkeypatch.setattr(roofline, "decode_plan", decode_plan)
     rows = roofline.step_anatomy(TINY_MODEL, batches=(1, 3), contexts=(20, 40), steps=1, gbps=10.0, gflops=50.0)
 
     assert [row["batch"] for row in rows] == [1, 3]
-    for row, (model, _, lens) in zip(rows, built):
+    for row, (runner, _, lens) in zip(rows, built):
         assert row["rest ms"] == pytest.approx(row["step ms"] - row["projections and head alone ms"]
                                                - row["step without them ms"])
-        reads = roofline.decode_step_bytes(model, lens) / 10e9
-        works = roofline.decode_step_flops(model.config, lens) / 50e9
+        reads = roofline.decode_step_bytes(runner.model, lens, runner.device_pool.spec.bytes_per_token) / 10e9
+        works = roofline.decode_step_flops(runner.model.config, lens) / 50e9
         assert row["roofline ms"] == pytest.approx(1e3 * max(reads, works))
         assert row["step / roofline"] == pytest.approx(row["step ms"] / row["roofline ms"])
-    for model, modules, _ in built:
-        assert len(modules) == 4 * TINY_MODEL["num_layers"] + 1 and modules[-1] is model.lm_head
-        assert [getattr(owner, attr) for owner, attr in roofline.projections(model)] == modules
+    for runner, modules, _ in built:
+        assert len(modules) == 4 * TINY_MODEL["num_layers"] + 1 and modules[-1] is runner.model.lm_head
+        assert [getattr(owner, attr) for owner, attr in roofline.projections(runner.model)] == modules
     stand_in = roofline.ZeroProjection(modules[0].out_features)
     assert torch.equal(stand_in(torch.ones(3, modules[0].in_features)), torch.zeros(3, modules[0].out_features))
 

@@ -268,11 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(run_torch_decode_bench(), title))
         from kvlib.cli.bench.roofline import run_roofline
         print()
-        print(format_table(run_roofline(SMOLLM2_SHAPE, CPU_BATCH, CPU_CONTEXTS),
+        roofline = run_roofline(SMOLLM2_SHAPE, CPU_BATCH, CPU_CONTEXTS)
+        print(format_table(roofline,
                            "the engine's decode step (forward and sampling) against this machine's matmul rate"))
         from kvlib.cli.bench.roofline import step_anatomy
         print()
-        print(format_table(step_anatomy(SMOLLM2_SHAPE, ANATOMY_BATCHES, CPU_CONTEXTS),
+        print(format_table(step_anatomy(SMOLLM2_SHAPE, ANATOMY_BATCHES, CPU_CONTEXTS,
+                                        gflops=roofline[0]["matmul GFLOPS (32x576x1536)"]),
                            "the same step split (best of 8): its projections and head alone, the step with them "
                            "returning zeros at no cost, the rest, and the step against its roofline (its bytes at "
                            "this machine's memory rate, its FLOPs at the matmul rate)"))

@@ -158,14 +158,12 @@ def projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return places + [(model, "lm_head")]
 
 
-def decode_step_bytes(model: nn.Module, context_lens: list[int]) -> int:
+def decode_step_bytes(model: nn.Module, context_lens: list[int], kv_bytes_per_token: int) -> int:
     """What one decode step must read from memory: every projection's and the head's weights once, as the
-    model holds them, and the K and V of every context position in every layer."""
+    model holds them, and the K and V of every context position (``KVCacheSpec.bytes_per_token`` each)."""
     weights = sum(tensor.numel() * tensor.element_size() for owner, attr in projections(model)
                   for tensor in getattr(owner, attr).state_dict().values())
-    config = model.config
-    kv_per_position = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4  # float32 K and V
-    return weights + kv_per_position * sum(context_lens)
+    return weights + kv_bytes_per_token * sum(context_lens)
 
 
 @contextmanager
@@ -213,8 +211,8 @@ def step_anatomy(shape: dict, batches: tuple[int, ...], contexts: tuple[int, int
                     times.setdefault(name, []).append(took)
         row = {"batch": batch, **{name: 1e3 * min(t) for name, t in times.items()}}
         row["rest ms"] = row["step ms"] - row["projections and head alone ms"] - row["step without them ms"]
-        roofline = max(decode_step_bytes(runner.model, context_lens) / gbps / 1e9,
-                       decode_step_flops(runner.model.config, context_lens) / gflops / 1e9)
+        reads = decode_step_bytes(runner.model, context_lens, runner.device_pool.spec.bytes_per_token)
+        roofline = max(reads / gbps / 1e9, decode_step_flops(runner.model.config, context_lens) / gflops / 1e9)
         row.update({"roofline ms": 1e3 * roofline, "step / roofline": row["step ms"] / (1e3 * roofline)})
         rows.append(row)
     return rows
