@@ -297,6 +297,32 @@ def test_the_torch_backends_store_matches_the_reference(skipped, cache_dtype):
     torch.testing.assert_close(data, expected, atol=0, rtol=0)
 
 
+
+def test_the_torch_backends_store_keeps_its_rows_only_for_the_same_unchanged_slots():
+    """It works out a step's rows once and keeps them for the next layer's call; a slot mapping changed in place
+    (a reused input buffer) or another one, or a pool with other blocks, must get rows of its own."""
+    backend = TorchAttentionBackend()
+    data, _, _ = make_pool(16, 16, FP32)
+    expected = data.clone()
+    other, _, _ = make_pool(12, 8, FP32, seed=1)
+    other_expected = other.clone()
+    gen = torch.Generator().manual_seed(6)
+    slots = torch.randperm(12 * 8, generator=gen)[:5].to(DEVICE)  # slots both pools have
+
+    def store(pool, reference, layer, slots, seed):
+        key, value = randn(5, KV_HEADS, HEAD_DIM, seed=seed), randn(5, KV_HEADS, HEAD_DIM, seed=seed + 1)
+        backend.store_kv(key, value, pool[:, layer, 0], pool[:, layer, 1], slots)
+        store_kv_reference(key, value, reference[:, layer, 0], reference[:, layer, 1], slots)
+
+    for layer in range(NUM_LAYERS):  # every layer of one step: the same slot mapping
+        store(data, expected, layer, slots, 10 + layer)
+    slots.copy_(torch.randperm(12 * 8, generator=gen)[:5])  # the same tensor, new slots
+    store(data, expected, 0, slots, 20)
+    store(other, other_expected, 0, slots, 30)  # 8-token blocks: other rows for the same slots
+    store(data, expected, 1, torch.randperm(16 * 16, generator=gen)[:5].to(DEVICE), 40)
+    torch.testing.assert_close(data, expected, atol=0, rtol=0)
+    torch.testing.assert_close(other, other_expected, atol=0, rtol=0)
+
 def test_copy_blocks_matches_indexing():
     data, _, _ = make_pool(8, 16, FP32)
     expected = data.clone()

@@ -61,6 +61,17 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out
 
 
+def token_rows(cache: torch.Tensor) -> torch.Tensor | None:
+    """One layer's CPU cache ``[blocks, block_size, kv_heads, head_dim]`` as ``[rows, kv_heads * head_dim]`` rows
+    of the pool's memory, one a token: the token at offset ``o`` of block ``b`` is row ``b * block_rows + o``
+    (``block_rows = cache.stride(0) // (kv_heads * head_dim)``). None where the layout or device does not allow it."""
+    blocks, block_size, kv_heads, head_dim = cache.shape
+    width, stride = kv_heads * head_dim, cache.stride()
+    if cache.device.type != "cpu" or stride[0] % width or tuple(stride[1:]) != (width, head_dim, 1):
+        return None
+    return cache.as_strided(((blocks - 1) * (stride[0] // width) + block_size, width), (width, 1))
+
+
 class TorchAttentionBackend:
     """The attention backend interface: ``store_kv`` then ``forward`` for each layer of a step."""
 
@@ -69,16 +80,30 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self.scratch = GatherScratch()
+        self.slot_rows: tuple | None = None  # (slot_mapping, its version, block_size, block_rows, rows): see token_rows
 
     def store_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        """The reference's writes; on a CPU, when no slot is skipped (every step but a padded graph replay's),
-        without its masks: half the calls, in every layer of every step."""
-        if slot_mapping.device.type != "cpu" or key.dtype != k_cache.dtype or bool(slot_mapping.min() < 0):
+        """The reference's writes; on a CPU, when no slot is skipped (every step but a padded graph replay's), one
+        ``index_copy_`` of whole tokens per cache, at rows worked out once a step: a third of the reference's cost,
+        in every layer of every step."""
+        k_rows, v_rows = token_rows(k_cache), token_rows(v_cache)
+        rows = None if (k_rows is None or v_rows is None or k_cache.stride() != v_cache.stride()
+                        or key.dtype != k_cache.dtype) else self.rows_of(slot_mapping, k_cache.shape[1],
+                                                                         k_cache.stride(0) // k_rows.shape[1])
+        if rows is None:
             return store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
-        block_size = k_cache.shape[1]
-        where = (slot_mapping.div(block_size, rounding_mode="floor"), slot_mapping.remainder(block_size))
-        k_cache.index_put_(where, key)
-        v_cache.index_put_(where, value)
+        k_rows.index_copy_(0, rows, key.reshape(rows.shape[0], -1))
+        v_rows.index_copy_(0, rows, value.reshape(rows.shape[0], -1))
+
+    def rows_of(self, slot_mapping: torch.Tensor, block_size: int, block_rows: int) -> torch.Tensor | None:
+        """The ``token_rows`` row of each slot, or None if a slot is skipped (-1); computed for the first layer of a
+        step and kept while the same ``slot_mapping``, unchanged, comes back (every layer passes the step's)."""
+        kept = self.slot_rows
+        if not (kept and kept[0] is slot_mapping and kept[1:4] == (slot_mapping._version, block_size, block_rows)):
+            rows = None if slot_mapping.numel() == 0 or bool(slot_mapping.min() < 0) else (
+                slot_mapping.div(block_size, rounding_mode="floor") * block_rows + slot_mapping.remainder(block_size))
+            kept = self.slot_rows = (slot_mapping, slot_mapping._version, block_size, block_rows, rows)
+        return kept[4]
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_decode_only:

