@@ -136,6 +136,16 @@ def _q4_layer_linear(parts: dict, prefix: str, path: str, pieces, bias: torch.Te
     return Q4Linear(codes, d, m + 8 * d, bias)
 
 
+def layer_projection_places(model: nn.Module) -> list[tuple[int, str, nn.Module, str]]:
+    """Every layer projection as ``(layer index, path, owner, attribute)``, in the order a step calls them."""
+    places = []
+    for index, layer in enumerate(model.model.layers):
+        for path in LAYER_PROJECTIONS:
+            owner_name, attr = path.split(".")
+            places.append((index, path, getattr(layer, owner_name), attr))
+    return places
+
+
 def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> nn.Module:
     """Swap ``model``'s projections for ``name``'s format, in place; ``q4_1`` reads them from ``gguf``.
 
@@ -156,18 +166,15 @@ def use_weight_format(model: nn.Module, name: str, gguf: Path | None = None) -> 
     packs = packing_available(model.lm_head.weight.device, torch.float32)
     parts = gguf_q4_1_projections(Path(gguf), model.config) if name == "q4_1" else None
     fused = fused_projections(model.config)
-    for index, layer in enumerate(model.model.layers):
-        for path in LAYER_PROJECTIONS:
-            owner_name, attr = path.split(".")
-            owner = getattr(layer, owner_name)
-            linear = getattr(owner, attr)
-            if name == "q4_1":
-                replacement = _q4_layer_linear(parts, f"model.layers.{index}", path, fused.get(path), linear.bias)
-            elif name == "bfloat16":
-                replacement = PackedLinear.of(linear, torch.bfloat16) if packs else BFloat16Linear(linear)
-            else:
-                replacement = PackedLinear.of(linear) if packs and worth_packing(linear.weight) else linear
-            setattr(owner, attr, replacement)
+    for index, path, owner, attr in layer_projection_places(model):
+        linear = getattr(owner, attr)
+        if name == "q4_1":
+            replacement = _q4_layer_linear(parts, f"model.layers.{index}", path, fused.get(path), linear.bias)
+        elif name == "bfloat16":
+            replacement = PackedLinear.of(linear, torch.bfloat16) if packs else BFloat16Linear(linear)
+        else:
+            replacement = PackedLinear.of(linear) if packs and worth_packing(linear.weight) else linear
+        setattr(owner, attr, replacement)
     if packs and (name != "float32" or worth_packing(model.lm_head.weight)):  # a copy: the embedding keeps its own
         model.lm_head = PackedLinear.of(model.lm_head, torch.float32 if name == "float32" else torch.bfloat16)
     return model

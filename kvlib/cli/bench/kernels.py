@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend, paged_attention_reference
+from kvlib.cli.bench.peers import PeersOptions
 
 SHAPES = [(1, 32768), (32, 4096), (256, 1024)]  # (batch, context)
 SPLIT_SHAPE = (1, 32768)
@@ -175,7 +176,7 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, 
                      num_kv_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
 CPU_BATCH = 32
 CPU_CONTEXTS = (280, 320)  # each sequence's context length is drawn from this range
-ANATOMY_BATCHES = (1, 8, 32)  # the batch sizes kvlib bench peers compares engines at
+ANATOMY_BATCHES = PeersOptions.batches  # the batch sizes kvlib bench peers compares engines at
 
 
 class TimedBackend:

@@ -268,18 +268,24 @@ def run_peers(opts: PeersOptions, engines: list) -> tuple[list[dict], list[dict]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    defaults = PeersOptions()
+    batches, formats = ",".join(map(str, defaults.batches)), ",".join(defaults.weight_formats)
     parser = argparse.ArgumentParser(prog="kvlib bench peers", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", help="as LLM takes it (default: smollm2-135m)")
-    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default: 1,8,32)")
-    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (default: 32)")
-    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per sequence (default: 128)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
-    parser.add_argument("--threads", type=int, default=1, help="threads per engine (default: 1)")
+    parser.add_argument("--model", default=defaults.model, help=f"as LLM takes it (default: {defaults.model})")
+    parser.add_argument("--batches", default=batches, help=f"comma-separated batch sizes (default: {batches})")
+    parser.add_argument("--prompt-len", type=int, default=defaults.prompt_len,
+                        help=f"tokens per prompt (default: {defaults.prompt_len})")
+    parser.add_argument("--new-tokens", type=int, default=defaults.new_tokens,
+                        help=f"greedy tokens per sequence (default: {defaults.new_tokens})")
+    parser.add_argument("--rounds", type=int, default=defaults.rounds,
+                        help=f"interleaved rounds (default: {defaults.rounds})")
+    parser.add_argument("--threads", type=int, default=defaults.threads,
+                        help=f"threads per engine (default: {defaults.threads})")
     parser.add_argument("--onnx-dir", type=Path, default=None,
                         help="where the exported ONNX models are kept (default: beside kvlib's model cache)")
     parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
-    parser.add_argument("--weights", default="float32,bfloat16,q4_1",
-                        help="kvlib's weight formats, comma-separated (default: float32,bfloat16,q4_1; float32 first)")
+    parser.add_argument("--weights", default=formats,
+                        help=f"kvlib's weight formats, comma-separated (default: {formats}; float32 first)")
     return parser
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from kvlib.config import SamplingParams
 from kvlib.model.config import ModelConfig
 from kvlib.model.packed_linear import PackedLinear, packing_available
-from kvlib.model.weight_formats import LAYER_PROJECTIONS, use_weight_format
+from kvlib.model.weight_formats import layer_projection_places, use_weight_format
 
 MATMUL_SHAPE = (32, 576, 1536)  # (rows, inner, columns)
 MEMORY_PROBE_BYTES = 512 << 20  # read to measure memory bandwidth: many times any cache
@@ -150,12 +150,7 @@ class ZeroProjection(nn.Module):
 
 def projections(model: nn.Module) -> list[tuple[nn.Module, str]]:
     """Every layer projection and the language-model head, as ``(owner, attribute)`` in the order a step calls them."""
-    places = []
-    for layer in model.model.layers:
-        for path in LAYER_PROJECTIONS:
-            owner, attr = path.split(".")
-            places.append((getattr(layer, owner), attr))
-    return places + [(model, "lm_head")]
+    return [(owner, attr) for _, _, owner, attr in layer_projection_places(model)] + [(model, "lm_head")]
 
 
 def decode_step_bytes(model: nn.Module, context_lens: list[int], kv_bytes_per_token: int) -> int:
