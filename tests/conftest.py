@@ -17,7 +17,7 @@ settings.load_profile("kvlib")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import write_checkpoint  # noqa: E402
-from lanes import RUNS_NOTEBOOKS  # noqa: E402
+from lanes import RUNS_NOTEBOOKS, longest_first  # noqa: E402
 
 
 def runs_notebooks(item: pytest.Item) -> bool:
@@ -31,6 +31,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if runs_notebooks(item):
             item.add_marker(pytest.mark.notebooks)
+    items.sort(key=lambda item: longest_first(item.nodeid))  # stable: each file keeps its own order
 
 
 @pytest.fixture(scope="session")

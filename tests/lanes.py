@@ -6,3 +6,18 @@ them the ``notebooks`` marker, so that ``pytest -m "not notebooks"`` runs the en
 """
 RUNS_NOTEBOOKS = {"test_exercises.py", "test_first_cell.py", "test_fresh_install.py", "test_jupyterlab.py",
                   "test_labs_graded.py", "test_lesson_verdicts.py", "test_notebook_hygiene.py::test_runs_top_to_bottom"}
+
+# The longest scopes (files; tests/test_lesson_verdicts.py's classes come with their file), longest first, as
+# measured on 2 cores (BENCHMARKS.md, "The whole test suite"). pytest-xdist hands whole scopes to its workers in
+# collection order (pyproject's --no-loadscope-reorder), so tests/conftest.py collects these first: otherwise
+# xdist starts with the scopes of most tests, many of them quick, and one worker ends alone on a long file.
+LONGEST_FIRST = ("tests/test_grading.py", "tests/test_labs_graded.py", "tests/test_fresh_install.py",
+                 "tests/test_exercises.py", "tests/test_notebook_hygiene.py", "tests/test_lesson_verdicts.py",
+                 "tests/test_warm_up.py", "tests/test_jupyterlab.py", "tests/test_smollm2.py",
+                 "tests/test_grading_labs_07_09.py")
+
+
+def longest_first(nodeid: str) -> int:
+    """Where a test's scope comes in ``LONGEST_FIRST`` (after them all if it is not there)."""
+    return next((rank for rank, prefix in enumerate(LONGEST_FIRST) if nodeid.startswith(prefix + "::")),
+                len(LONGEST_FIRST))
