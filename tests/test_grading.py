@@ -480,6 +480,18 @@ def test_the_lab_comes_from_the_grader_not_from_the_notebook(tmp_path):
     assert grade_notebook(path, lab="lab02").full_marks
 
 
+def test_a_sandbox_starts_without_the_graders_notebook_reader():
+    """nbformat (and jsonschema under it) took 1.4 s of every sandbox's 2.6 s start, imported by extract.py for
+    ``code_cells``, which only the grader runs: a class of 16 submissions starts 32 sandboxes."""
+    probe = ("import sys\nclass MyBlockAllocator:\n    def __init__(self, n):\n"
+             "        raise RuntimeError('loaded: ' + repr(sorted(m for m in ('nbformat', 'jsonschema') if m in sys.modules)))\n")
+    statements = extract([probe], ("MyBlockAllocator",)).statements
+    from kvlib.course.grading import lab02
+    with Sandbox("lab02", statements, lab02.ALLOCATOR) as sandbox:
+        seen = sandbox.observe("allocator", "allocate_unique", 1, 60)
+    assert seen.status == FAIL and "loaded: []" in seen.message, seen.message
+
+
 def test_in_process_grading_hides_kvlibs_answer_as_the_sandbox_does():
     cells = [ALLOCATOR_CHEATS["subclass"], TABLE]
     graded = grade_cells("lab02", cells, runner=InProcess, seed=random.randrange(1000))

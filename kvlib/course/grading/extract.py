@@ -19,8 +19,6 @@ import threading
 import types
 from dataclasses import dataclass, field
 
-import nbformat
-
 # A folder is graded by several threads, and CPython 3.11 keeps ``ast.parse``'s recursion count in
 # per-interpreter state: two parses at once can fail with "SystemError: AST constructor recursion
 # depth mismatch" (seen grading a class; python/cpython#106905). One parse at a time.
@@ -75,6 +73,8 @@ class Extracted:
 
 
 def code_cells(path) -> list[str]:
+    import nbformat  # here, not at the top: every sandbox imports this module, and nbformat takes it 1.4 s
+
     nb = nbformat.read(str(path), as_version=4)
     return [cell.source for cell in nb.cells if cell.cell_type == "code"]
 
