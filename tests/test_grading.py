@@ -482,7 +482,7 @@ def test_the_lab_comes_from_the_grader_not_from_the_notebook(tmp_path):
 
 def test_a_sandbox_starts_without_the_graders_notebook_reader():
     """nbformat (and jsonschema under it) took 1.4 s of every sandbox's 2.6 s start, imported by extract.py for
-    ``code_cells``, which only the grader runs: a class of 16 submissions starts 32 sandboxes."""
+    ``code_cells``, which only the grader runs (now in runner.py): a class of 16 submissions starts 32 sandboxes."""
     probe = ("import sys\nclass MyBlockAllocator:\n    def __init__(self, n):\n"
              "        raise RuntimeError('loaded: ' + repr(sorted(m for m in ('nbformat', 'jsonschema') if m in sys.modules)))\n")
     statements = extract([probe], ("MyBlockAllocator",)).statements

@@ -72,13 +72,6 @@ class Extracted:
     problems: list[str] = field(default_factory=list)  # why nothing can be graded, one line each
 
 
-def code_cells(path) -> list[str]:
-    import nbformat  # here, not at the top: every sandbox imports this module, and nbformat takes it 1.4 s
-
-    nb = nbformat.read(str(path), as_version=4)
-    return [cell.source for cell in nb.cells if cell.cell_type == "code"]
-
-
 def extract(cells: list[str], needs: tuple[str, ...]) -> Extracted:
     """The closure of ``needs`` over the notebook's top-level definitions."""
     definitions: dict[str, list[ast.stmt]] = {}
