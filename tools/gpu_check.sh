@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in under 8 minutes including compilation: bash tools/gpu_check.sh
+# The checks that need a GPU, in at most 9 minutes including compilation: bash tools/gpu_check.sh [--parts a,b]
 #
 # Needs only this checkout and a python3 with a CUDA build of torch and Triton (PYTHON=... to choose
 # another); it installs nothing. tools/gpu_check.py does the work: a preflight that names in one line
@@ -13,4 +13,4 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 command -v "$PY" >/dev/null || { echo "kvlib GPU check: missing $PY (set PYTHON=...). Nothing was run."; exit 2; }
 export TRITON_CACHE_DIR="$PWD/.triton-cache" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
-exec "$PY" tools/gpu_check.py
+exec "$PY" tools/gpu_check.py "$@"

@@ -23,7 +23,8 @@ from kvlib.runner.kv_cache import KVCachePool, copy_blocks_between
 PROBE_TOKENS = 64  # the first prefill chunk the forward probe times
 MAX_PROBE_TOKENS = 4096
 MAX_PROBE_CONTEXT = 2048  # cached tokens behind the chunk that measures attention
-COPY_PROBE_BLOCKS = 32
+COPY_PROBE_BLOCKS = 32  # blocks of the probe's larger copy, at least
+COPY_PROBE_BYTES = 64 * 2**20  # and at least this many bytes where the pool holds them: the link's rate, not its latency
 PROBE_BATCH = 8  # decode sequences in the probe's batch
 REPEATS = 3  # rounds at least; more while a round is quick, up to MIN_SECONDS of timing or MAX_ROUNDS
 MIN_SECONDS = 0.5
@@ -95,10 +96,19 @@ def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, i
     return run
 
 
-def copy_probes(device_pool: KVCachePool, num_blocks: int = COPY_PROBE_BLOCKS,
+def copy_probe_blocks(device_pool: KVCachePool) -> int:
+    """Blocks of the copy probe's larger copy: ``COPY_PROBE_BLOCKS``, or more where blocks are small, so that it
+    moves ``COPY_PROBE_BYTES`` (within the pool). Small blocks timed in a small copy measure each copy's latency:
+    16 KiB blocks, 32 of them, put a GPU's host link at 1.95 GB/s."""
+    wanted = max(COPY_PROBE_BLOCKS, -(-COPY_PROBE_BYTES // device_pool.spec.block_bytes))
+    return max(1, min(wanted, device_pool.num_blocks))
+
+
+def copy_probes(device_pool: KVCachePool, num_blocks: int | None = None,
                 seed: int = 0) -> tuple[Callable, Callable]:
-    """Batched copies to the host of one block and of ``num_blocks``, scattered over the pool as a victim's are."""
-    num_blocks = max(1, min(num_blocks, device_pool.num_blocks))
+    """Batched copies to the host of one block and of ``num_blocks`` (``copy_probe_blocks`` when None), scattered
+    over the pool as a victim's are."""
+    num_blocks = copy_probe_blocks(device_pool) if num_blocks is None else max(1, min(num_blocks, device_pool.num_blocks))
     host = KVCachePool(device_pool.spec, num_blocks, "cpu", pin_memory=device_pool.device.type == "cuda")
     ids, host_ids = random.Random(seed).sample(range(device_pool.num_blocks), num_blocks), list(range(num_blocks))
     return (lambda: copy_blocks_between(device_pool, host, ids[:1], host_ids[:1]),
@@ -177,7 +187,8 @@ def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int 
     batch = [(1, 0)] * num_batch
     small = max(2, device_pool.spec.block_size)
     q = max(2 * small, PROBE_TOKENS)
-    copies = copy_probes(device_pool)
+    copy_blocks = copy_probe_blocks(device_pool)
+    copies = copy_probes(device_pool, copy_blocks)
     while True:
         context = max(1, min(MAX_PROBE_CONTEXT, model.config.max_position_embeddings - q))
         prefills = [[], [(small, 0)], [(q, 0)], [(2 * q, 0)], [(q, context)]]
@@ -189,8 +200,7 @@ def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int 
         if compute_bound or 4 * q > MAX_PROBE_TOKENS:
             break
         q *= 2
-    call, link = fit_copy(copy_one, copy_many, min(COPY_PROBE_BLOCKS, device_pool.num_blocks),
-                          device_pool.spec.block_bytes)
+    call, link = fit_copy(copy_one, copy_many, copy_blocks, device_pool.spec.block_bytes)
     return PreemptionCostModel(host_link_bytes_per_s=link, copy_call_seconds=call, **timings.fit())
 
 
@@ -205,13 +215,15 @@ class VictimTiming:
 
 
 def victim_calls(runner, num_tokens: int, batch: int = 4, batch_context: int = 64,
-                 rng: Optional[random.Random] = None) -> dict[str, Callable[[], object]]:
+                 rng: Optional[random.Random] = None, swap_beside: bool = False) -> dict[str, Callable[[], object]]:
     """The calls that price one victim in ``runner``'s own pools, for timing side by side.
 
     ``"batch"``: the decode pass the step runs anyway (``batch`` sequences of ``batch_context``
-    cached tokens); ``"swap"``: the victim's blocks, scattered over the device pool, copied to the
-    host pool and back, one batched copy each way; ``"batch with the victim"``: the victim's prefill
-    packed into the batch's pass, whose cost is what it adds to ``"batch"``.
+    cached tokens; with ``batch`` 0, nothing); ``"swap"``: the victim's blocks, scattered over the
+    device pool, copied to the host pool and back, one batched copy each way, and with
+    ``swap_beside`` the decode pass issued between the two, so the copies cross the link while
+    it computes (the swap's cost is then what it adds to ``"batch"``); ``"batch with the victim"``:
+    the victim's prefill packed into the batch's pass, whose cost is what it adds to ``"batch"``.
     """
     rng = rng or random.Random(0)
     device, host = runner.device_pool, runner.host_pool
@@ -219,28 +231,32 @@ def victim_calls(runner, num_tokens: int, batch: int = 4, batch_context: int = 6
     num_blocks = -(-num_tokens // device.spec.block_size)
     device_ids = rng.sample(range(device.num_blocks), num_blocks)
     host_ids = rng.sample(range(host.num_blocks), num_blocks)
+    batch_pass = forward_pass(runner.model, device, runner.backend, decode) if decode else (lambda: None)
 
     def swap():
         copy_blocks_between(device, host, device_ids, host_ids)
+        if swap_beside:
+            batch_pass()
         copy_blocks_between(host, device, host_ids, device_ids)
-    return {"batch": forward_pass(runner.model, device, runner.backend, decode), "swap": swap,
+    return {"batch": batch_pass, "swap": swap,
             "batch with the victim": forward_pass(runner.model, device, runner.backend, decode + [(num_tokens, 0)])}
 
 
 def time_victims(runner, lengths: list[int], batch: int = 4, batch_context: int = 64, repeats: int = REPEATS,
-                 min_seconds: float = MIN_SECONDS, seed: int = 0) -> list[VictimTiming]:
+                 min_seconds: float = MIN_SECONDS, seed: int = 0, swap_beside: bool = False) -> list[VictimTiming]:
     """Preempt victims of each length both ways in ``runner``'s own pools, in turns with the decode batch alone.
 
-    The decode batch is ``batch`` sequences of ``batch_context`` cached tokens; a victim's recompute
-    is its prefill packed into that batch's pass, minus the pass without it (:func:`victim_calls`).
+    The decode batch is ``batch`` sequences of ``batch_context`` cached tokens (0: none, each way
+    timed alone); a victim's recompute is its prefill packed into that batch's pass, minus the
+    pass without it, and with ``swap_beside`` its swap likewise (:func:`victim_calls`).
     """
     rng = random.Random(seed)
-    calls = [victim_calls(runner, n, batch, batch_context, rng) for n in lengths]
+    calls = [victim_calls(runner, n, batch, batch_context, rng, swap_beside) for n in lengths]
     fns = [calls[0]["batch"]] + [c[name] for c in calls for name in ("swap", "batch with the victim")]
     times = best_in_turns(fns, runner.device, repeats, min_seconds)
-    alone = times[0]
+    alone = times[0] if batch else 0.0
     blocks = [-(-n // runner.device_pool.spec.block_size) for n in lengths]
-    return [VictimTiming(n, b, swap_s, with_victim - alone)
+    return [VictimTiming(n, b, swap_s - (alone if swap_beside else 0.0), with_victim - alone)
             for n, b, swap_s, with_victim in zip(lengths, blocks, times[1::2], times[2::2])]
 
 

@@ -34,13 +34,13 @@ MODES = [("recompute", False), ("swap", False), ("auto", False), ("recompute", T
 VOCAB = range(3, 259)  # the default model's byte tokens, past its three special tokens
 
 
-def oversubscribed_workload(num_requests: int, scale: int = 4,
-                            seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Prompts (token ids) and sampling params: ShareGPT-like lengths divided by ``scale``."""
+def oversubscribed_workload(num_requests: int, scale: int = 4, seed: int = 0,
+                            vocab: range = VOCAB) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts (token ids drawn from ``vocab``) and sampling params: ShareGPT-like lengths divided by ``scale``."""
     rng = random.Random(seed)
     prompts, params = [], []
     for prompt_len, output_len in sharegpt_like_lengths(num_requests, seed=seed):
-        prompts.append([rng.choice(VOCAB) for _ in range(max(1, prompt_len // scale))])
+        prompts.append([rng.choice(vocab) for _ in range(max(1, prompt_len // scale))])
         params.append(SamplingParams(max_tokens=max(1, output_len // scale), ignore_eos=True))
     return prompts, params
 
@@ -50,9 +50,9 @@ def blocks_needed(prompts: list[list[int]], params: list[SamplingParams], block_
     return sum(blocks_for(len(p) + s.max_tokens, block_size) for p, s in zip(prompts, params))
 
 
-def serve(config: EngineConfig, prompts, params) -> tuple[LLM, list[list[int]], float]:
-    """Serve the workload; return the engine, each request's tokens and the wall-clock seconds."""
-    llm = LLM("default", config, verbose=False)
+def serve(config: EngineConfig, prompts, params, model="default") -> tuple[LLM, list[list[int]], float]:
+    """Serve the workload on ``model``; return the engine, each request's tokens and the wall-clock seconds."""
+    llm = LLM(model, config, verbose=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     return llm, [o.token_ids for o in outs], time.perf_counter() - start
@@ -75,18 +75,20 @@ def result_row(label: str, partial: Optional[bool], llm: LLM, seconds: float, id
 
 
 def run_preemption_bench(num_requests: int = 64, scale: int = 4, num_gpu_blocks: int = 48, num_cpu_blocks: int = 256,
-                         block_size: int = 16, seed: int = 0, modes=MODES) -> list[dict]:
-    """The unpressured reference row, then one row per (mode, partial) in ``modes``."""
-    prompts, params = oversubscribed_workload(num_requests, scale, seed)
+                         block_size: int = 16, seed: int = 0, modes=MODES, model="default",
+                         vocab: range = VOCAB) -> list[dict]:
+    """The unpressured reference row, then one row per (mode, partial) in ``modes``, all on ``model`` with prompt
+    tokens from ``vocab``."""
+    prompts, params = oversubscribed_workload(num_requests, scale, seed, vocab)
     roomy = EngineConfig(block_size=block_size, num_gpu_blocks=blocks_needed(prompts, params, block_size),
                          max_num_seqs=num_requests)
-    serve(roomy, prompts[:4], params[:4])  # warm-up: first-call costs fall on no measured row
-    llm, reference, seconds = serve(roomy, prompts, params)
+    serve(roomy, prompts[:4], params[:4], model)  # warm-up: first-call costs fall on no measured row
+    llm, reference, seconds = serve(roomy, prompts, params, model)
     rows = [result_row("none (pool fits all)", None, llm, seconds, None)]
     for mode, partial in modes:
         config = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                               preemption_mode=mode, partial_preemption=partial, max_num_seqs=num_requests)
-        llm, outputs, seconds = serve(config, prompts, params)
+        llm, outputs, seconds = serve(config, prompts, params, model)
         rows.append(result_row(mode, partial, llm, seconds, outputs == reference))
     return rows
 
