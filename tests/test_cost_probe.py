@@ -90,6 +90,23 @@ def test_victims_are_timed_both_ways(tiny):
     assert all(v.swap_seconds > 0 for v in victims)
 
 
+def test_a_victim_alone_is_its_own_prefill_and_a_swap_beside_decode_runs_the_batch_between_its_copies(tiny, monkeypatch):
+    from kvlib.runner import cost_probe
+    calls = cost_probe.victim_calls(tiny, 40, batch=0)
+    assert calls["batch"]() is None  # no decode batch: nothing to subtract
+    assert calls["batch with the victim"]().shape[0] == 1  # the victim's prefill alone, one last-token row
+    order = []
+    monkeypatch.setattr(cost_probe, "copy_blocks_between", lambda src, dst, *ids: order.append(
+        "out" if src is tiny.device_pool else "in"))
+    beside = cost_probe.victim_calls(tiny, 40, batch=2, swap_beside=True)
+    real_pass = beside["batch"]
+    monkeypatch.setattr(cost_probe, "forward_pass", lambda *a: (lambda: order.append("pass")))
+    cost_probe.victim_calls(tiny, 40, batch=2, swap_beside=True)["swap"]()
+    cost_probe.victim_calls(tiny, 40, batch=2)["swap"]()
+    assert order == ["out", "pass", "in", "out", "in"]
+    assert real_pass().shape[0] == 2
+
+
 def test_returning_turns_are_timed_both_ways(tiny):
     turns = time_returning_turns(tiny, [64, 256], new_tokens=40, repeats=1, min_seconds=0.0)
     assert [t.context for t in turns] == [64, 256]
@@ -99,3 +116,15 @@ def test_returning_turns_are_timed_both_ways(tiny):
 def test_measure_cost_model_uses_the_pools_it_is_given(tiny):
     cost = measure_cost_model(tiny.model, tiny.device_pool, tiny.backend)
     assert isinstance(cost, PreemptionCostModel) and cost.prefill_tokens_per_s > 0
+
+
+def test_the_copy_probe_moves_enough_bytes_to_time_the_link_not_its_latency():
+    from kvlib.runner.cost_probe import COPY_PROBE_BLOCKS, COPY_PROBE_BYTES, copy_probe_blocks
+
+    def pool(num_blocks, block_bytes):
+        spec = type("Spec", (), {"block_bytes": block_bytes})()
+        return type("Pool", (), {"spec": spec, "num_blocks": num_blocks})()
+    small = 16 * 1024  # the built-in model's blocks: 32 of them timed per-copy latency on a GPU
+    assert copy_probe_blocks(pool(100_000, small)) == COPY_PROBE_BYTES // small
+    assert copy_probe_blocks(pool(1_000, small)) == 1_000  # never more than the pool holds
+    assert copy_probe_blocks(pool(100_000, 8 * 2**20)) == COPY_PROBE_BLOCKS  # big blocks: the floor
