@@ -146,7 +146,8 @@ def part_crossover(out) -> bool:
         llm = LLM(shape_folder(shape), EngineConfig(block_size=16, num_gpu_blocks=blocks, num_cpu_blocks=blocks,
                                                      preemption_mode="auto"), verbose=False)
         engine = llm.engine
-        for run in measured_runs_for(shape, engine.runner, engine.cost_model, engine.dtype):
+        for run in measured_runs_for(shape, engine.runner, engine.cost_model, engine.dtype, VICTIM_LENGTHS,
+                                     RETURNING_CONTEXTS, (BESIDE_BATCH, BESIDE_CONTEXT)):
             out.write({"kind": "measured_run", "part": out.part, "run": asdict(run)})
             out.add("swap beats recompute from", crossover(run.victims), "tokens", shape=shape, batch=run.batch,
                     victims=[asdict(v) for v in run.victims])
