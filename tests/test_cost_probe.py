@@ -128,3 +128,42 @@ def test_the_copy_probe_moves_enough_bytes_to_time_the_link_not_its_latency():
     assert copy_probe_blocks(pool(100_000, small)) == COPY_PROBE_BYTES // small
     assert copy_probe_blocks(pool(1_000, small)) == 1_000  # never more than the pool holds
     assert copy_probe_blocks(pool(100_000, 8 * 2**20)) == COPY_PROBE_BLOCKS  # big blocks: the floor
+
+
+def test_the_probe_grows_its_prefill_past_timing_noise_at_the_floor(monkeypatch):
+    """A GPU-like pass (tokens hide under a 5.6 ms floor until 840 of them) whose additions below the knee are
+    noise that still doubles: the probe must not stop on that ratio."""
+    from kvlib.runner import cost_probe
+    truth = PreemptionCostModel(1.0, prefill_tokens_per_s=150_000.0, floor_seconds=5.6e-3, overlap=1.0,
+                                attention_seconds_per_pair=0.0, attention_call_seconds=0.0)
+
+    def noise(tokens):  # a few microseconds that grow with the tokens, as stray timings do
+        return 1e-8 * tokens
+
+    monkeypatch.setattr(cost_probe, "forward_pass", lambda model, pool, backend, seqs: ("pass", seqs))
+    monkeypatch.setattr(cost_probe, "copy_probes", lambda pool, n: (("copy", 1), ("copy", n)))
+
+    def best_in_turns(fns, device):
+        times = []
+        for kind, arg in fns:
+            if kind == "copy":
+                times.append(1e-5 + arg * 1e-5)
+            else:
+                tokens = sum(n for n, _ in arg)
+                times.append(truth.pass_seconds(tokens) + noise(tokens))
+        return times
+    monkeypatch.setattr(cost_probe, "best_in_turns", best_in_turns)
+    pool = type("Pool", (), {"spec": type("Spec", (), {"block_size": 16, "block_bytes": 2**20})(),
+                             "num_blocks": 4096, "device": torch.device("cpu")})()
+    model = type("Model", (), {"config": type("Config", (), {"max_position_embeddings": 131072})()})()
+    fitted = cost_probe.measure_cost_model(model, pool, backend=None)
+    assert fitted.prefill_tokens_per_s == pytest.approx(150_000, rel=0.05)
+    assert fitted.floor_seconds == pytest.approx(5.6e-3, rel=0.01)
+
+
+def test_a_probe_pass_sends_its_leading_decodes_to_the_decode_path_as_the_engine_does():
+    from kvlib.runner.cost_probe import leading_decodes
+    assert leading_decodes([(1, 0)] * 8 + [(64, 0)]) == 8
+    assert leading_decodes([(1, 64)] * 3) == 3
+    assert leading_decodes([(40, 0)]) == 0
+    assert leading_decodes([(1, 0), (5, 0), (1, 0)]) == 1

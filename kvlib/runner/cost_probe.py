@@ -30,6 +30,7 @@ REPEATS = 3  # rounds at least; more while a round is quick, up to MIN_SECONDS o
 MIN_SECONDS = 0.5
 MAX_ROUNDS = 50
 COMPUTE_BOUND_GROWTH = 1.6  # a pass this much slower with twice the tokens is mostly arithmetic
+MEASURABLE_SHARE = 0.25  # ... provided the tokens add at least this share of the batch's own pass
 
 
 def time_once(fn: Callable[[], object], device: torch.device) -> float:
@@ -85,7 +86,8 @@ def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, i
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
         query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
-        max_query_len=max(n for n, _ in sequences), max_context_len=max(context_lens))
+        max_query_len=max(n for n, _ in sequences), max_context_len=max(context_lens),
+        num_decodes=leading_decodes(sequences))
     ids_t = torch.tensor(ids, dtype=torch.long, device=device)
     positions_t = torch.tensor(positions, dtype=torch.long, device=device)
     last = torch.tensor(query_start[1:], dtype=torch.long, device=device) - 1
@@ -94,6 +96,12 @@ def forward_pass(model, pool: KVCachePool, backend, sequences: list[tuple[int, i
         with torch.inference_mode():
             return model(ids_t, positions_t, pool, meta, backend, last)
     return run
+
+
+def leading_decodes(sequences: list[tuple[int, int]]) -> int:
+    """How many sequences at the front carry one new token: the engine packs decodes first and sends them to the
+    decode kernel, so a probe pass does too."""
+    return next((i for i, (num_new, _) in enumerate(sequences) if num_new != 1), len(sequences))
 
 
 def copy_probe_blocks(device_pool: KVCachePool) -> int:
@@ -177,6 +185,18 @@ def _overlap(floor: float, per_token: float, fewer: tuple[int, float], more: tup
     return min(1.0, max(0.0, (arithmetic - (more[1] - fewer[1])) / hideable))
 
 
+def past_the_knee(timings: ForwardTimings) -> bool:
+    """Whether the probe's q-token prefill is past the knee: doubling it nearly doubles what it adds to the batch,
+    and what it adds is a measurable share of the batch's own pass.
+
+    Below the knee both additions are timing noise, and a ratio of noise says nothing: with the ratio
+    alone, an H200 at Llama-3.2-1B's shape was priced at 17 M prefill tokens/s where its victims
+    took 150 k/s, and ``auto`` recomputed every victim.
+    """
+    added, added_twice = timings.with_q - timings.alone, timings.with_2q - timings.alone
+    return added_twice >= COMPUTE_BOUND_GROWTH * added and added >= MEASURABLE_SHARE * timings.alone
+
+
 def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int = PROBE_BATCH) -> PreemptionCostModel:
     """Every constant of the cost model, measured in this engine's pool, on its model and backend.
 
@@ -196,8 +216,7 @@ def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int 
                *(forward_pass(model, device_pool, backend, batch + p) for p in prefills), *copies]
         *passes, copy_one, copy_many = best_in_turns(fns, device_pool.device)
         timings = ForwardTimings(num_batch, small, q, context, *passes)
-        compute_bound = timings.with_2q - timings.alone >= COMPUTE_BOUND_GROWTH * (timings.with_q - timings.alone)
-        if compute_bound or 4 * q > MAX_PROBE_TOKENS:
+        if past_the_knee(timings) or 4 * q > MAX_PROBE_TOKENS:
             break
         q *= 2
     call, link = fit_copy(copy_one, copy_many, copy_blocks, device_pool.spec.block_bytes)
