@@ -3,9 +3,12 @@ asked for, and reports medians of paired rounds against the strongest baseline."
 import pytest
 
 import kvlib.cli.bench.engine as bench
-from kvlib.cli.bench.engine import compare, headline, make_workload, row_caps, run_kvlib, run_transformers, summary_rows
-from kvlib.cli.bench.engine_baselines import StaticBatches, has_paged_batching, load_transformers, static_batch
-from kvlib.cli.bench.engine_workload import Placement, Request
+import kvlib.cli.bench.engine_baselines as baselines
+from kvlib.cli.bench.engine import (KvlibServer, compare, headline, make_workload, row_caps, run_kvlib,
+                                    run_transformers, summary_rows)
+from kvlib.cli.bench.engine_baselines import (PagedBatches, StaticBatches, has_paged_batching, load_transformers,
+                                              static_batch)
+from kvlib.cli.bench.engine_workload import Placement, Request, served_row
 
 
 def test_workload_is_seeded_and_arrives_in_order():
@@ -82,6 +85,55 @@ def test_a_request_longer_than_the_slots_is_refused_with_the_fix(checkpoint):
         batches.serve(_requests((0.0, 10, 2)))
 
 
+def test_inter_token_latency_is_the_gaps_between_a_requests_tokens():
+    """Not decode time per output token: request 0's tokens came 0.1 s then 0.4 s apart, which (E2E - TTFT) / 2
+    would average to 0.25 s."""
+    requests = _requests((0.0, 3, 3), (0.2, 3, 2))
+    arrivals, done, tokens = {0: [0.1, 0.2, 0.6], 1: [0.3, 0.35]}, {0: 0.6, 1: 0.35}, {0: [7, 8, 9], 1: [7, 8]}
+    row = served_row("engine", requests, (1.0, arrivals, done, tokens), 64)
+    assert (row["ITL p50 s"], row["ITL p99 s"]) == (pytest.approx(0.1), pytest.approx(0.4))  # of 0.05, 0.1, 0.4
+    assert (row["TTFT p50 s"], row["TTFT p99 s"]) == (pytest.approx(0.1), pytest.approx(0.1))
+    assert "ITL note" not in row
+
+
+def test_inter_token_latency_unmeasured_is_none_with_the_reason():
+    requests = _requests((0.0, 3, 3), (0.0, 3, 1))
+    first_only = served_row("engine x", requests, (1.0, {0: [0.1], 1: [0.2]}, {0: 0.5, 1: 0.2},
+                                                   {0: [7, 8, 9], 1: [7]}), 64)
+    assert first_only["ITL p50 s"] is None and first_only["ITL p99 s"] is None
+    assert first_only["ITL note"] == "not measured: engine x did not report when each token arrived"
+    one_token = served_row("engine", requests[1:], (1.0, {0: [0.2]}, {0: 0.2}, {0: [7]}), 64)
+    assert one_token["ITL p50 s"] is None
+    assert one_token["ITL note"] == "not measured: no request asked for a second token"
+
+
+def test_every_engine_times_each_token_as_it_arrives(checkpoint, monkeypatch):
+    """kvlib from its steps' outputs, transformers' static batches from the streamer's steps, its paged batching
+    from the timestamps it records: one time per token, later than the one before."""
+    served = {}
+
+    def recorded(name, requests, times, slots):
+        served[name] = times
+        return served_row(name, requests, times, slots)
+    monkeypatch.setattr(bench, "served_row", recorded)
+    monkeypatch.setattr(baselines, "served_row", recorded)
+    folder, placement = checkpoint("llama-gqa"), Placement.auto()
+    requests = make_workload(4, 0.05, 1000.0, vocab_size=96)
+    slots = 4 * max(len(r.prompt) + r.max_tokens for r in requests)
+    model = load_transformers(folder, placement)
+    engines = [KvlibServer(folder, slots, 4, placement=placement), StaticBatches(model, slots, 2, "dynamic", placement)]
+    engines += [PagedBatches(model, slots, 4, 64, placement)] if has_paged_batching(model) else []
+    for engine in engines:
+        row = engine.serve(requests)
+        elapsed, arrivals, done, tokens = served[engine.name]
+        for i, r in enumerate(requests):
+            assert len(arrivals[i]) == len(tokens[i]) == r.max_tokens, engine.name
+            assert r.arrival <= arrivals[i][0] and all(a < b for a, b in zip(arrivals[i], arrivals[i][1:])), engine.name
+            assert arrivals[i][-1] <= done[i] + 1e-9, engine.name
+        assert 0 < row["ITL p50 s"] <= row["ITL p99 s"], engine.name
+    assert len(served) == len(engines)
+
+
 @pytest.fixture(scope="module")
 def report(checkpoint):
     requests = make_workload(4, 0.05, 1000.0, vocab_size=96)
@@ -99,6 +151,7 @@ def test_every_engine_gets_the_same_kv_slots(report):
         for run in report["runs"][name]:
             if name.startswith("transformers paged"):
                 assert run["KV slots"] == report["slots"]  # read from the paged cache transformers built
+                assert "KV slots note" not in run  # read, not the slots asked for
             else:
                 assert 0 < run["KV slots"] <= report["slots"]  # the largest padded batch it ran
     assert all(0 < row["KV slots"] <= report["slots"] for row in report["tuning"])
@@ -131,11 +184,27 @@ def test_every_baseline_writes_kvlibs_greedy_tokens(report):
     assert all(rows[name]["greedy = kvlib"] == f"{len(requests)}/{len(requests)}" for name in baselines)
 
 
+def test_the_summary_gives_every_engines_inter_token_latency(report):
+    requests, report = report
+    for row in summary_rows(report):
+        assert 0 < row["ITL p50 s"] <= row["ITL p99 s"] <= row["E2E p99 s"]
+        assert "notes" not in row  # every engine timed its tokens and the paged cache's slots were read
+
+
 def test_the_command_prints_the_headline(checkpoint, capsys):
     assert bench.main(["--model", str(checkpoint("llama-gqa")), "--requests", "2", "--scale", "0.02",
-                       "--budget", "256", "--block-size", "4", "--rounds", "1", "--static-caches", "dynamic"]) == 0
+                       "--budget", "256", "--block-size", "4", "--rounds", "1", "--static-caches", "dynamic",
+                       "--static-rows", "1"]) == 0
     out = capsys.readouterr().out
     assert "the strongest baseline" in out and "medians of 1 interleaved rounds" in out and "256 KV token slots" in out
+    assert "ITL p50 s" in out and "ITL p99 s" in out
+    assert "static batches of <= 1," in out and "static batches of <= 2," not in out  # only the row caps asked for
+
+
+def test_a_tuning_with_nothing_to_try_is_refused(checkpoint):
+    requests = _requests((0.0, 4, 2))
+    with pytest.raises(ValueError, match=r"at least one cache and row caps of at least 1.*row caps \[0\]"):
+        compare(checkpoint("llama-gqa"), requests, 64, block_size=4, rounds=1, static_rows=[0])
 
 
 def test_rounds_below_one_are_refused():

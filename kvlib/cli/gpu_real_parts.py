@@ -33,6 +33,7 @@ RETURNING_CONTEXTS = [256, 1024, 4096, 16384]
 NEW_TOKENS = 40  # a returning turn's reply and new text, as in lesson 09
 BESIDE_BATCH, BESIDE_CONTEXT = 32, 1024  # the decode batch a victim is priced beside
 ENGINE_REQUESTS, ENGINE_SCALE, ENGINE_RATE, ENGINE_SLOTS = 32, 0.5, 200.0, 8192
+STATIC_ROW_CAPS = 2  # transformers' static batching is tuned over its largest row caps only: each try is a whole pass
 PREEMPTION_REQUESTS, PREEMPTION_SHARE = 48, 3  # the tight pool holds a third of what the requests need at once
 PREEMPTION_MODES = [("recompute", False), ("swap", False), ("auto", False), ("auto", True)]
 
@@ -158,17 +159,18 @@ def part_crossover(out) -> bool:
 
 def part_real_engine(out) -> bool:
     """Per shape: kvlib with and without decode graphs against transformers' strongest batching."""
-    from kvlib.cli.bench.engine import compare
+    from kvlib.cli.bench.engine import compare, row_caps
     from kvlib.cli.bench.engine_workload import make_workload
     for shape in REAL_SHAPES:
         requests = make_workload(ENGINE_REQUESTS, ENGINE_SCALE, ENGINE_RATE, SHAPES[shape].vocab_size)
         report = compare(shape_folder(shape), requests, ENGINE_SLOTS, 16, rounds=1, caches=("dynamic",),
-                         compare_graphs=True)
+                         compare_graphs=True, static_rows=row_caps(requests, ENGINE_SLOTS)[-STATIC_ROW_CAPS:])
         for name, runs in report["runs"].items():
             row = runs[0]
             out.add("engine output tokens/s", row["output tokens/s"], "output tokens/s", shape=shape, engine=name,
-                    **{key: row.get(key) for key in ("TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s",
-                                                     "E2E p50 s", "KV slots", "dtype", "preemptions")},
+                    **{key: row.get(key) for key in ("TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s", "ITL note",
+                                                     "E2E p50 s", "KV slots", "KV slots note", "dtype",
+                                                     "preemptions")},
                     requests=len(requests), greedy_equal_kvlib=report["agree"].get(name))
         strongest = report["paired"][report["strongest"]]["median"]
         out.add("engine", strongest, "x transformers' strongest", shape=shape, strongest=report["strongest"],

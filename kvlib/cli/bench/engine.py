@@ -9,9 +9,9 @@ workload, same number of KV token slots for every engine:
   serves requests as they arrive (continuous batching);
 - transformers' static batching gets the same slots: a batch starts when the previous one ends and
   takes arrived requests in order while its padded size (rows times its longest prompt plus its
-  longest output) fits the slots, up to a row cap. The cap (powers of two up to what fits) and the
-  cache (dynamic or static) are tuned first, one run each, and the fastest enters the rounds: the
-  strongest static batching these slots allow, not one picked to lose;
+  longest output) fits the slots, up to a row cap. The cap (powers of two up to what fits, or
+  ``--static-rows``) and the cache (dynamic or static) are tuned first, one run each, and the
+  fastest enters the rounds: the strongest static batching these slots allow, not one picked to lose;
 - transformers' own paged continuous batching (``generate_batch``'s manager, where the installed
   transformers has it) gets a paged cache of exactly the same slots in blocks of kvlib's size, and
   the requests as they arrive.
@@ -22,8 +22,10 @@ float32 on the host would say nothing about kvlib on a GPU.
 
 Every engine serves the workload ``--rounds`` times, the engines in turns within each round (the
 order reversed every other round), so a machine shared with other work slows all of them alike.
-The report gives each engine's median output tokens/s with its min-max, kvlib's ratio against each
-baseline paired round by round (median, min-max), and the headline against the strongest baseline.
+The report gives each engine's median output tokens/s with its min-max, its TTFT, end-to-end and
+inter-token latency (ITL: every gap between two consecutive tokens of a request, timed as each
+engine hands its tokens over), kvlib's ratio against each baseline paired round by round (median,
+min-max), and the headline against the strongest baseline.
 Every engine counts only the tokens each request asked for (end of sequence ignored), and each
 baseline's greedy tokens are compared with kvlib's request by request. A second table says where
 kvlib's steps spent their time.
@@ -36,7 +38,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -108,7 +110,7 @@ class KvlibServer:
 
     def serve(self, requests: list[Request]) -> Served:
         """One pass; ``row["profile"]`` holds its step profile (``StepProfile.shares``)."""
-        engine, first_seen = self.llm.engine, {}
+        engine, arrivals = self.llm.engine, {}
         self.llm.metrics.reset()
         self.profile.reset()
         self.passes += 1
@@ -122,9 +124,10 @@ class KvlibServer:
             now = time.perf_counter()
             for out in outs:
                 i = int(out.request_id.split("-")[1])
-                first_seen.setdefault(i, now)
+                times = arrivals.setdefault(i, [])
+                times.extend([now] * (len(out.token_ids) - len(times)))  # the tokens this step added
                 if out.finished:
-                    ready.append((i, now, first_seen[i], list(out.token_ids)))
+                    ready.append((i, now, times, list(out.token_ids)))
             return ready
         served = serve_as_they_arrive(requests, submit, poll, engine.has_unfinished_requests)
         row = served_row(self.name, requests, served, self.slots)
@@ -163,17 +166,21 @@ def _spread(values: list[float]) -> dict:
 
 def compare(folder: Path, requests: list[Request], budget: int, block_size: int, rounds: int,
             placement: Placement | None = None, caches: tuple[str, ...] = ("dynamic", "static"),
-            compare_graphs: bool = False) -> dict:
+            compare_graphs: bool = False, static_rows: Optional[Sequence[int]] = None) -> dict:
     """Tunes transformers' static batching, then serves the workload ``rounds`` times with every engine in turns.
-    Returns the engines (their rows of every round), kvlib's paired ratios against each baseline, the greedy
-    agreement and the strongest baseline."""
+    The tuning runs once per cache in ``caches`` and row cap in ``static_rows`` (default: every cap ``row_caps``
+    finds), so a run on a time budget can try fewer. Returns the engines (their rows of every round), kvlib's paired
+    ratios against each baseline, the greedy agreement and the strongest baseline."""
     placement = placement or Placement.auto()
     kvlib = KvlibServer(folder, budget, block_size, placement=placement)
     slots = kvlib.slots
     require_fits(requests, slots)
+    rows_tried = row_caps(requests, slots) if static_rows is None else list(static_rows)
+    if not caches or not rows_tried or min(rows_tried) < 1:
+        raise ValueError(f"the static baseline needs at least one cache and row caps of at least 1 to tune over, "
+                         f"got caches {list(caches)} and row caps {rows_tried}")
     model = load_transformers(folder, placement)
-    tuning = [StaticBatches(model, slots, rows, cache, placement)
-              for rows in row_caps(requests, slots) for cache in caches]
+    tuning = [StaticBatches(model, slots, rows, cache, placement) for rows in rows_tried for cache in caches]
     tuned = [(candidate, candidate.serve(requests)) for candidate in tuning]
     best_static = max(tuned, key=lambda pair: pair[1]["output tokens/s"])[0]
     engines = [kvlib, best_static] + ([PagedBatches(model, slots, block_size, kvlib.max_batch_tokens, placement)]
@@ -196,19 +203,29 @@ def compare(folder: Path, requests: list[Request], budget: int, block_size: int,
             "agree": {name: sum(a == b for a, b in zip(reference, runs[name][0]["tokens"])) for name in baselines}}
 
 
+def _median_measured(runs: list[dict], key: str) -> Optional[float]:
+    """The median over the rounds, or None when some round could not measure it."""
+    values = [r[key] for r in runs]
+    return None if None in values else statistics.median(values)
+
+
 def summary_rows(report: dict) -> list[dict]:
-    """One row per engine: medians over the rounds with min-max, slots, greedy agreement, kvlib's paired ratio."""
+    """One row per engine: medians over the rounds with min-max, slots, greedy agreement, kvlib's paired ratio, and
+    notes on what a row could not measure."""
     rows = []
     for name, runs in report["runs"].items():
         speed = _spread([r["output tokens/s"] for r in runs])
         row = {"engine": name, "output tokens/s": speed["median"], "min-max": f"{speed['min']:.1f}-{speed['max']:.1f}",
-               "TTFT p50 s": statistics.median(r["TTFT p50 s"] for r in runs),
-               "E2E p50 s": statistics.median(r["E2E p50 s"] for r in runs),
-               "E2E p99 s": statistics.median(r["E2E p99 s"] for r in runs), "KV slots": runs[0]["KV slots"]}
+               **{key: _median_measured(runs, key) for key in ("TTFT p50 s", "E2E p50 s", "E2E p99 s", "ITL p50 s",
+                                                               "ITL p99 s")},
+               "KV slots": runs[0]["KV slots"]}
         if name in report["paired"]:
             ratio = report["paired"][name]
             row["greedy = kvlib"] = f"{report['agree'][name]}/{len(runs[0]['tokens'])}"
             row["kvlib x it"] = f"{ratio['median']:.2f} [{ratio['min']:.2f}-{ratio['max']:.2f}]"
+        notes = dict.fromkeys(r[key] for r in runs for key in ("KV slots note", "ITL note") if key in r)
+        if notes:
+            row["notes"] = "; ".join(notes)
         rows.append(row)
     return rows
 
@@ -217,6 +234,10 @@ def headline(report: dict) -> str:
     ratio, name = report["paired"][report["strongest"]], report["strongest"]
     return (f"kvlib: {ratio['median']:.2f}x [{ratio['min']:.2f}-{ratio['max']:.2f}] the strongest baseline, {name} "
             f"(median and min-max of {report['rounds']} paired rounds, every engine at {report['slots']} KV slots)")
+
+
+def _row_caps_option(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,12 +249,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, default=200.0,
                         help="arrivals per second (the default saturates every engine)")
     parser.add_argument("--budget", type=int, default=4096, help="KV token slots every engine gets (whole blocks)")
-    parser.add_argument("--block-size", type=int, default=16, 
+    parser.add_argument("--block-size", type=int, default=16,
                         help="tokens per KV block (kvlib and transformers' paged cache)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="passes over the workload per engine, the engines in turns (more on a busy machine)")
     parser.add_argument("--static-caches", default="dynamic,static",
                         help="transformers generate caches to tune the static baseline over, comma-separated")
+    parser.add_argument("--static-rows", type=_row_caps_option, default=None,
+                        help="row caps to tune the static baseline over, comma-separated (default: powers of two "
+                             "from as many rows as fit at the longest request to as many as fit at the shortest)")
     parser.add_argument("--compare-graphs", action="store_true",
                         help="on a GPU, also serve with decode graphs off (kvlib launches every kernel)")
     return parser
@@ -246,7 +270,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     folder = resolve_model_folder(args.model)
     requests = make_workload(args.requests, args.scale, args.rate, ModelConfig.from_folder(folder).vocab_size)
     report = compare(folder, requests, args.budget, args.block_size, args.rounds,
-                     caches=tuple(args.static_caches.split(",")), compare_graphs=args.compare_graphs)
+                     caches=tuple(args.static_caches.split(",")), compare_graphs=args.compare_graphs,
+                     static_rows=args.static_rows)
     print(format_table(summary_rows(report), f"{len(requests)} requests at {args.rate}/s, lengths x{args.scale}, "
                        f"{report['slots']} KV token slots each, model {args.model} ({folder.name}), kvlib and "
                        f"transformers, both engines on {report['placement'].describe()}, {torch.get_num_threads()} "

@@ -2,8 +2,10 @@
 within exactly the KV token slots kvlib gets."""
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -24,16 +26,16 @@ def load_transformers(folder: Path, placement: Placement):
     return model
 
 
-class FirstTokenTimer:
-    """A ``generate`` streamer that notes when the first new tokens arrive (its first call is the prompt)."""
+class StepTimer:
+    """A ``generate`` streamer that notes when each step's new tokens arrive (its first call is the prompt)."""
 
     def __init__(self):
-        self.calls, self.first_token = 0, None
+        self.calls, self.token_times = 0, []
 
     def put(self, value) -> None:
         self.calls += 1
-        if self.calls == 2:
-            self.first_token = time.perf_counter()
+        if self.calls > 1:
+            self.token_times.append(time.perf_counter())
 
     def end(self) -> None:
         pass
@@ -64,7 +66,7 @@ class StaticBatches:
     def serve(self, requests: list[Request]) -> Served:
         device, pad = self.placement.device, 0
         require_fits(requests, self.slots)
-        start, queue, first, done, tokens, peak = time.perf_counter(), list(enumerate(requests)), {}, {}, {}, 0
+        start, queue, arrivals, done, tokens, peak = time.perf_counter(), list(enumerate(requests)), {}, {}, {}, 0
         while queue:
             now = time.perf_counter() - start
             if queue[0][1].arrival > now:
@@ -76,15 +78,15 @@ class StaticBatches:
             peak = max(peak, len(batch) * (width + new))
             ids = torch.tensor([[pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
             mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device)
-            timer = FirstTokenTimer()
+            timer = StepTimer()
             with torch.no_grad():
                 out = self.model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
                                           pad_token_id=pad, streamer=timer, cache_implementation=self.cache)
             end = time.perf_counter()
             for row, (i, r) in enumerate(zip(indices, batch)):
-                first[i], done[i] = timer.first_token - start, end - start
-                tokens[i] = out[row, width:width + r.max_tokens].tolist()
-        row = served_row(self.name, requests, (time.perf_counter() - start, first, done, tokens), peak)
+                arrivals[i] = [t - start for t in timer.token_times[:r.max_tokens]]
+                done[i], tokens[i] = end - start, out[row, width:width + r.max_tokens].tolist()
+        row = served_row(self.name, requests, (time.perf_counter() - start, arrivals, done, tokens), peak)
         row.update(placement_fields(self.placement), preemptions=0)
         return row
 
@@ -92,6 +94,40 @@ class StaticBatches:
 def has_paged_batching(model) -> bool:
     """Whether the installed transformers has paged continuous batching (``generate_batch``, transformers >= 4.56)."""
     return hasattr(model, "init_continuous_batching")
+
+
+def transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def paged_config(config_class, page_size: int, **options):
+    """``config_class`` with pages of ``page_size`` tokens, under the name the installed transformers gives them:
+    ``page_size`` in 5.25, ``block_size`` in 5.17 (read from its signature, not assumed from one release)."""
+    parameters = inspect.signature(config_class).parameters
+    name = next((name for name in ("page_size", "block_size") if name in parameters), None)
+    if name is None:
+        raise TypeError(f"transformers {transformers_version()}'s {config_class.__name__} takes neither page_size nor "
+                        f"block_size, so its paged cache cannot be given kvlib's block size: install a transformers "
+                        f"release whose ContinuousBatchingConfig takes one of them (5.17 and 5.25 do)")
+    return config_class(**{name: page_size}, **options)
+
+
+PAGED_CACHE_LAYOUTS = (  # how each known release's paged cache says how many token slots it holds
+    lambda cache: sum(a.num_blocks * a.tokens_per_page for a in cache.cache_allocators.values()),  # 5.25
+    lambda cache: cache.num_blocks * cache.block_size,  # 5.17
+)
+
+
+def paged_cache_slots(cache) -> Optional[int]:
+    """The token slots transformers' paged cache really holds, read from whichever layout the installed release has;
+    None when it has none of the known ones (the caller then reports the slots it asked for, saying so)."""
+    for slots in PAGED_CACHE_LAYOUTS:
+        try:
+            return int(slots(cache))
+        except AttributeError:
+            continue
+    return None
 
 
 class PagedBatches:
@@ -106,15 +142,10 @@ class PagedBatches:
     def _manager(self):
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
-        config = ContinuousBatchingConfig(page_size=self.block_size, num_blocks=self.slots // self.block_size,
-                                          max_batch_tokens=self.max_batch_tokens, max_requests_per_batch=256)
+        config = paged_config(ContinuousBatchingConfig, self.block_size, num_blocks=self.slots // self.block_size,
+                              max_batch_tokens=self.max_batch_tokens, max_requests_per_batch=256)
         generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0)
         return self.model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
-
-    def kv_slots(self, manager) -> int:
-        """The token slots transformers' paged cache really holds (read from the cache it built)."""
-        cache = manager.batch_processor.cache
-        return sum(a.num_blocks * a.tokens_per_page for a in cache.cache_allocators.values())
 
     def serve(self, requests: list[Request]) -> Served:
         require_fits(requests, self.slots)
@@ -137,12 +168,18 @@ class PagedBatches:
                 in_flight.discard(i)
                 if result.error is not None:
                     raise RuntimeError(f"transformers' paged batching failed request {i}: {result.error}")
-                return [(i, result.timestamps[-1], result.timestamps[0], list(result.generated_tokens))]
+                if not result.timestamps:
+                    raise RuntimeError(f"transformers {transformers_version()} recorded no token times for request "
+                                       f"{i} although asked to (record_timestamps=True): its TTFT cannot be measured")
+                return [(i, result.timestamps[-1], list(result.timestamps), list(result.generated_tokens))]
             served = serve_as_they_arrive(requests, submit, poll, lambda: bool(in_flight))
-            slots = self.kv_slots(manager)
+            read = paged_cache_slots(getattr(manager.batch_processor, "cache", None))
         finally:
             manager.stop(block=True, timeout=10)
             manager.destroy()
-        row = served_row(self.name, requests, served, slots)
+        row = served_row(self.name, requests, served, self.slots if read is None else read)
         row.update(placement_fields(self.placement), preemptions=None)
+        if read is None:
+            row["KV slots note"] = (f"requested, not read: transformers {transformers_version()}'s paged cache has "
+                                    f"none of the layouts kvlib knows")
         return row
