@@ -33,7 +33,9 @@ RETURNING_CONTEXTS = [256, 1024, 4096, 16384]
 NEW_TOKENS = 40  # a returning turn's reply and new text, as in lesson 09
 BESIDE_BATCH, BESIDE_CONTEXT = 32, 1024  # the decode batch a victim is priced beside
 ENGINE_REQUESTS, ENGINE_SCALE, ENGINE_RATE, ENGINE_SLOTS = 32, 0.5, 200.0, 8192
-STATIC_ROW_CAPS = 2  # transformers' static batching is tuned over its largest row caps only: each try is a whole pass
+# transformers' static batching is tuned over this many of its largest row caps (the largest: as many rows as the
+# slots hold); each cap tried is a whole pass, up to a minute of the device's time at 8B
+STATIC_ROW_CAPS = 1
 PREEMPTION_REQUESTS, PREEMPTION_SHARE = 48, 3  # the tight pool holds a third of what the requests need at once
 PREEMPTION_MODES = [("recompute", False), ("swap", False), ("auto", False), ("auto", True)]
 
