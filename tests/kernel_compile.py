@@ -1,4 +1,4 @@
-"""Compile every Triton kernel variant ahead of time for sm_80 and sm_90, no GPU needed, and report on it.
+"""Compile every Triton kernel variant ahead of time for sm_75, sm_80, sm_89 and sm_90, no GPU needed, and report.
 
 Run as a script with ``TRITON_INTERPRET=0`` (under the interpreter kernels are Python functions and
 do not compile); it prints one JSON object per (variant, architecture). ``test_kernel_compile.py``
@@ -9,7 +9,12 @@ launcher runs on CPU tensors shaped as the engine's (a 6-d pool, head dim 128, b
 the recorded arguments are compiled with the specialization a launch would get: integer
 arguments equal to 1 become constants, multiples of 16 and the (16-byte aligned) pointers carry
 a divisibility hint, except for the integers a kernel declares ``do_not_specialize``. Head dim 128 is the largest kvlib's architectures use; smaller head dims
-compile to smaller tiles. For each compiled variant the report gives:
+compile to smaller tiles.
+
+sm_75 (a T4) has no bfloat16: only the float16 and float32 variants are tried there, and a variant
+that fails to compile is reported (``compiled`` false, with the error) rather than raised, since the
+engine serves such a GPU with its torch backend and the report only documents what a T4 could run.
+On the other architectures every variant must compile. For each compiled variant the report gives:
 
 - what ``ptxas -v`` says: registers, spill stores and spill loads; and from the compiled kernel's
   metadata its shared memory (``shared``, bytes) and ``num_warps``, what the split rule's occupancy
@@ -32,7 +37,11 @@ import tempfile
 
 import torch
 
-ARCHS = (80, 90)
+ARCHS = (75, 80, 89, 90)
+BF16_MIN_ARCH = 80  # the first architecture with bfloat16 arithmetic
+OPTIONAL_ARCHS = (75,)  # compile failures are reported, not raised: kvlib's kernels target 8.0+
+TUNING_MARK = "tuning:"  # labels a variant only a sweep launches
+TUNING_ARCHS = (90,)  # where the bench's sweeps run (an H100 or H200): the only target of their non-default tunings
 HEAD_DIM = 128
 KV_HEADS = 8
 GROUP = 4
@@ -57,7 +66,7 @@ def recording(launches: list):
     from kvlib.kernels import cache_ops, paged_decode, paged_prefill
     kernels = [(paged_decode, "_paged_decode_kernel"), (paged_decode, "_merge_splits_kernel"),
                (paged_prefill, "_paged_prefill_kernel"), (cache_ops, "_store_kv_kernel"),
-               (cache_ops, "_copy_blocks_kernel")]
+               (cache_ops, "_copy_blocks_kernel"), (cache_ops, "_copy_blocks_across_kernel")]
     saved = [(module, name, getattr(module, name)) for module, name in kernels]
     for module, name, kernel in saved:
         setattr(module, name, Recorder(kernel, name, launches))
@@ -68,48 +77,78 @@ def recording(launches: list):
             setattr(module, name, kernel)
 
 
-@contextlib.contextmanager
-def block_n(value: int):
-    from kvlib.kernels import paged_decode
-    saved, paged_decode.BLOCK_N = paged_decode.BLOCK_N, value
-    try:
-        yield
-    finally:
-        paged_decode.BLOCK_N = saved
-
-
 def record_variants() -> list[tuple[str, object, tuple, dict]]:
-    """Run every launcher once per variant with the kernels swapped for recorders: ``(label, kernel, args, kwargs)``."""
+    """Run every launcher once per variant with the kernels swapped for recorders: ``(label, kernel, args, kwargs)``.
+
+    Every dtype gets the default launches; bfloat16, what the engine serves compute capability 8.0+ in, also
+    gets the merge at the rule's widest, ``MAX_SPLITS``, and, labelled ``TUNING_MARK``, the tunings ``kvlib bench
+    kernels``' sweeps try (``DECODE_TUNINGS``, ``PREFILL_TUNINGS``) and the merges of forced split counts past
+    ``MAX_SPLITS``."""
     from kvlib import kernels
+    from kvlib.cli.bench.kernels import (
+        DECODE_TUNINGS,
+        DEFAULT_DECODE_TUNING,
+        DEFAULT_PREFILL_TUNING,
+        PREFILL_TUNINGS,
+        SWEEP_SPLITS,
+    )
+    from kvlib.kernels.paged_decode import MAX_SPLITS
     launches: list = []
     variants: list = []
 
-    def capture(variant: str, launch) -> None:
+    def capture(variant: str, launch, keep: slice = slice(None)) -> None:
         first = len(launches)
         launch()
-        variants.extend(f"{name} ({variant})" for name, *_ in launches[first:])
+        kept = launches[first:][keep]
+        del launches[first:]
+        launches.extend(kept)
+        variants.extend(f"{name} ({variant})" for name, *_ in kept)
 
     with recording(launches):
         for dtype_name, dtype in DTYPES.items():
             pool = torch.zeros(64, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
             k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
-            tables = torch.zeros(4, 16, dtype=torch.int32)
+            tables = torch.zeros(4, 256, dtype=torch.int32)
             context_lens = torch.full((4,), 200, dtype=torch.int32)
             decode_query = torch.zeros(4, KV_HEADS * GROUP, HEAD_DIM, dtype=dtype)
             prefill_query = torch.zeros(150, KV_HEADS * GROUP, HEAD_DIM, dtype=dtype)
             query_start = torch.tensor([0, 100, 101, 102, 150], dtype=torch.int32)
             key = torch.zeros(5, KV_HEADS, HEAD_DIM, dtype=dtype)
+
+            def decode(splits: int, **tunables):
+                return lambda: kernels.paged_decode_attention(decode_query, k_cache, v_cache, tables, context_lens,
+                                                              0.1, max_context_len=4096, num_splits=splits,
+                                                              **tunables)
+
+            def prefill(**tunables):
+                return lambda: kernels.paged_prefill_attention(prefill_query, k_cache, v_cache, tables, context_lens,
+                                                               query_start, 100, 0.1, **tunables)
+
             for splits in (1, 3):
-                capture(f"{dtype_name}, {splits} split(s)", lambda: kernels.paged_decode_attention(
-                    decode_query, k_cache, v_cache, tables, context_lens, 0.1, max_context_len=200, num_splits=splits))
-            if dtype == torch.bfloat16:  # the tile the issue asked to try: 32 context tokens per loop step
-                with block_n(32):
-                    capture(f"{dtype_name}, 3 split(s), BLOCK_N 32", lambda: kernels.paged_decode_attention(
-                        decode_query, k_cache, v_cache, tables, context_lens, 0.1, max_context_len=200, num_splits=3))
-            capture(dtype_name, lambda: kernels.paged_prefill_attention(
-                prefill_query, k_cache, v_cache, tables, context_lens, query_start, 100, 0.1))
+                capture(f"{dtype_name}, {splits} split(s)", decode(splits))
+            capture(dtype_name, prefill())
             capture(dtype_name, lambda: kernels.store_kv(key, key, k_cache, v_cache, torch.zeros(5, dtype=torch.int64)))
+            if dtype != torch.bfloat16:
+                continue
+            for tuning in DECODE_TUNINGS:
+                if tuning != DEFAULT_DECODE_TUNING:
+                    block_n, warps, stages = tuning
+                    capture(f"{dtype_name}, split, {TUNING_MARK} BLOCK_N {block_n}, {warps} warps, {stages} stages",
+                            decode(3, block_n=block_n, num_warps=warps, num_stages=stages), keep=slice(0, 1))
+            # The merge's widest tiles: the rule's MAX_SPLITS, then the sweep's forced counts past it, read in chunks.
+            capture(f"{dtype_name}, {MAX_SPLITS} splits", decode(MAX_SPLITS), keep=slice(1, 2))
+            for splits in SWEEP_SPLITS[-2:]:
+                capture(f"{dtype_name}, {TUNING_MARK} {splits} splits", decode(splits), keep=slice(1, 2))
+            for tuning in PREFILL_TUNINGS:
+                if tuning != DEFAULT_PREFILL_TUNING:
+                    block_m, block_n, warps, stages = tuning
+                    capture(f"{dtype_name}, {TUNING_MARK} BLOCK_M {block_m}, BLOCK_N {block_n}, {warps} warps, "
+                            f"{stages} stages",
+                            prefill(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages))
         capture("any dtype", lambda: kernels.copy_blocks(pool, [0, 1], [2, 3]))
+        host_pool = torch.zeros_like(pool)  # pinned host memory on a GPU: a pointer like any other
+        ids = torch.tensor([0, 1])
+        capture("any dtype", lambda: kernels.copy_blocks_across(pool, host_pool, ids, ids))
     return [(variant, kernel, args, kwargs) for variant, (_, kernel, args, kwargs) in zip(variants, launches)]
 
 
@@ -160,19 +199,32 @@ def pipeline_report(ttgir: str, constants: dict) -> dict:
     return {"kv_buffers": buffers, "max_wait_in_flight": max(waits, default=0)}
 
 
-def compile_all() -> list[dict]:
+def compile_report(kernel, signature: dict, constants: dict, attrs: dict, options: dict, arch: int) -> dict:
+    """What one compile for ``sm_{arch}`` gives (see the module doc)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                              options=options)
+    return {"compiled": True, **ptxas_report(compiled.asm["ptx"], arch), "shared": compiled.metadata.shared,
+            "num_warps": compiled.metadata.num_warps, **pipeline_report(compiled.asm["ttgir"], constants)}
+
+
+def compile_all() -> list[dict]:
     reports = []
     for label, kernel, args, kwargs in record_variants():
         signature, constants, attrs, options = specialize(kernel, args, kwargs)
+        uses_bf16 = "*bf16" in signature.values()
         for arch in ARCHS:
-            compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
-                                      target=GPUTarget("cuda", arch, 32), options=options)
-            reports.append({"variant": label, "arch": f"sm_{arch}", **ptxas_report(compiled.asm["ptx"], arch),
-                            "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
-                            **pipeline_report(compiled.asm["ttgir"], constants)})
+            if (uses_bf16 and arch < BF16_MIN_ARCH) or (TUNING_MARK in label and arch not in TUNING_ARCHS):
+                continue
+            try:
+                report = compile_report(kernel, signature, constants, attrs, options, arch)
+            except Exception as error:  # noqa: BLE001 - only where a failure is a finding, not a defect
+                if arch not in OPTIONAL_ARCHS:
+                    raise
+                report = {"compiled": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+            reports.append({"variant": label, "arch": f"sm_{arch}", **report})
     return reports
 
 

@@ -78,6 +78,24 @@ def test_staged_transfer_moves_the_right_bytes(staging_blocks):
     assert torch.equal(device.data, expected_device)
 
 
+def test_direct_transfer_moves_the_right_bytes():
+    """``direct=True``: one kernel per move (the Triton kernel, interpreted on CPU tensors) instead of the staging
+    buffer; the same bytes land, scattered host blocks and all."""
+    pytest.importorskip("triton")
+    device, host = filled_pool(40, 0), filled_pool(30, 1)
+    transfer = StagedTransfer(device.data, HostStreams(), staging_blocks=2, direct=True)
+    out_device, out_host = [3, 17, 5, 30, 8, 2, 39], [10, 11, 12, 4, 25, 13, 0]
+    expected_host = host.data.clone()
+    expected_host[out_host] = device.data[out_device]
+    transfer.to_host(host.data, out_device, out_host)
+    assert torch.equal(host.data, expected_host)
+    in_host, in_device = [25, 10, 29, 1], [0, 1, 2, 33]
+    expected_device = device.data.clone()
+    expected_device[in_device] = host.data[in_host]
+    transfer.to_device(host.data, in_host, in_device)
+    assert torch.equal(device.data, expected_device)
+
+
 class LoggingStreams:
     """A twin that logs every copy, wait and record with the stream it is issued on."""
 

@@ -27,6 +27,7 @@ from kvlib.attention.torch_backend import (  # noqa: E402
     store_kv_reference,
 )
 from kvlib.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from kvlib.cli.bench import kernels as bench  # noqa: E402
 from kvlib.cli.bench.kernels import decode_case, run_kernel_bench  # noqa: E402
 from kvlib.kernels import paged_prefill  # noqa: E402
 
@@ -92,25 +93,26 @@ def randn(*shape, dtype=FP32, seed=1):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype=dtype, device=DEVICE)
 
 
-def check_decode(context_lens, block_size, group, dtype, head_dim=HEAD_DIM, num_splits=1, window=None):
+def check_decode(context_lens, block_size, group, dtype, head_dim=HEAD_DIM, num_splits=1, window=None, **tunables):
     tables, num_blocks = make_block_tables(context_lens, block_size)
     _, k_cache, v_cache = make_pool(num_blocks, block_size, dtype, head_dim)
     meta = make_meta(context_lens, [1] * len(context_lens), tables, block_size, window)
     query = randn(len(context_lens), KV_HEADS * group, head_dim, dtype=dtype)
     out = kernels.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, SCALE,
                                          max_context_len=meta.max_context_len, num_splits=num_splits,
-                                         sliding_window=window)
+                                         sliding_window=window, **tunables)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
-def check_prefill(context_lens, query_lens, block_size, group, dtype, window=None):
+def check_prefill(context_lens, query_lens, block_size, group, dtype, window=None, **tunables):
     tables, num_blocks = make_block_tables(context_lens, block_size)
     _, k_cache, v_cache = make_pool(num_blocks, block_size, dtype)
     meta = make_meta(context_lens, query_lens, tables, block_size, window)
     query = randn(sum(query_lens), KV_HEADS * group, HEAD_DIM, dtype=dtype)
     out = kernels.paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                          meta.query_start, meta.max_query_len, SCALE, sliding_window=window)
+                                          meta.query_start, meta.max_query_len, SCALE, sliding_window=window,
+                                          **tunables)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, SCALE)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -157,6 +159,25 @@ WINDOW_GRID = [(16, 2, 1, 1), (16, 1, 8, 1), (4, 4, 13, 1), (32, 2, 64, 1), (16,
 def test_decode_sliding_window_matches_reference(block_size, group, window, num_splits):
     context_lens = [100] + random_lengths(seed=200 + WINDOW_GRID.index((block_size, group, window, num_splits)))
     check_decode(context_lens, block_size, group, FP32, num_splits=num_splits, window=window)
+
+
+DECODE_TUNINGS = [(16, 4, 2, 1), (32, 8, 4, 3), (128, 4, 3, 1), (128, None, None, 5), (64, 4, 3, 70)]  # + splits
+
+
+@pytest.mark.parametrize("block_n, num_warps, num_stages, num_splits", DECODE_TUNINGS,
+                         ids=[f"block-n{b}-warps{w}-stages{s}-splits{n}" for b, w, s, n in DECODE_TUNINGS])
+def test_decode_tunables_match_reference(block_n, num_warps, num_stages, num_splits):
+    """Every launch tuning the bench sweeps computes the same attention, split or not; 70 splits of a
+    1,100-token context take the merge past one ``MERGE_CHUNK`` of splits."""
+    context_lens = [1100, 33] if num_splits == 70 else [100, *random_lengths(seed=block_n + num_splits)]
+    check_decode(context_lens, 16, 4, FP32, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                 num_stages=num_stages)
+
+
+@pytest.mark.parametrize("block_n", [0, 8, 48])
+def test_decode_refuses_a_tile_tl_dot_cannot_take(block_n):
+    with pytest.raises(ValueError, match="block_n"):
+        check_decode([20], 16, 2, FP32, block_n=block_n)
 
 
 def test_split_rule(monkeypatch):
@@ -251,6 +272,17 @@ class RecordingKernel:
         return lambda *args, **kwargs: self.launches.append(grid)
 
 
+PREFILL_TUNINGS = [(128, 32, 4, 2, 2), (32, 128, 8, None, 4), (16, 16, None, None, 2), (128, 64, 8, 3, 8)]
+
+
+@pytest.mark.parametrize("block_m, block_n, num_warps, num_stages, group", PREFILL_TUNINGS,
+                         ids=[f"block-m{m}-block-n{n}-warps{w}-stages{s}-gqa{g}" for m, n, w, s, g in PREFILL_TUNINGS])
+def test_prefill_tunables_match_reference(block_m, block_n, num_warps, num_stages, group):
+    """Every launch tuning the bench sweeps computes the same attention: prompts, cached prefixes, decodes."""
+    check_prefill([100, 37, 90, 5], [100, 20, 45, 1], 16, group, FP32, block_m=block_m, block_n=block_n,
+                  num_warps=num_warps, num_stages=num_stages)
+
+
 @pytest.mark.parametrize("context_lens, query_lens, block_size, group, dtype", [
     pytest.param([100], [100], 16, 1, FP32, id="prompt-over-two-programs"),
     pytest.param([37, 100, 5], [37, 20, 1], 16, 2, FP32, id="cached-prefix-and-decode"),
@@ -336,6 +368,33 @@ def test_copy_blocks_matches_indexing():
         kernels.copy_blocks(data, [1, 2], [3])
 
 
+@pytest.mark.parametrize("dtype, chunk", [(FP16, 64), (FP32, 4096), (BF16, 128)],
+                         ids=["float16", "float32", "bfloat16"])
+def test_copy_blocks_across_pools_is_exact(dtype, chunk):
+    """Scattered blocks of one pool onto scattered blocks of another, bytes unchanged, in chunks smaller and larger
+    than a block; nothing else of the destination is touched."""
+    src, _, _ = make_pool(9, 16, FP32, seed=2)
+    src = src.to(dtype)
+    dst = torch.zeros(12, *src.shape[1:], dtype=dtype, device=DEVICE)
+    expected = dst.clone()
+    src_ids, dst_ids = [8, 0, 3, 5], [11, 2, 7, 0]
+    expected[dst_ids] = src[src_ids]
+    as_ids = lambda ids: torch.tensor(ids, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    kernels.copy_blocks_across(src, dst, as_ids(src_ids), as_ids(dst_ids), chunk=chunk)
+    assert torch.equal(dst, expected)
+
+
+def test_copy_blocks_across_refuses_mismatched_pools():
+    src, _, _ = make_pool(4, 16, FP32)
+    ids = torch.tensor([0], device=DEVICE)
+    with pytest.raises(ValueError, match="different blocks"):
+        kernels.copy_blocks_across(src, torch.zeros(4, 1, device=DEVICE), ids, ids)
+    with pytest.raises(ValueError, match="destination"):
+        kernels.copy_blocks_across(src, torch.zeros_like(src), ids, torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.copy_blocks_across(src[:, :, :, :8], torch.zeros_like(src[:, :, :, :8]), ids, ids)
+
+
 def test_backend_matches_torch_backend():
     """A prefill step then a decode step through both backends, with q/k/v sliced from one fused tensor."""
     block_size, group = 16, 2
@@ -391,9 +450,94 @@ def test_kernel_bench_baseline_computes_the_same_attention():
     torch.testing.assert_close(paged(2), sdpa(), **TOLERANCE[FP16])
 
 
+def test_kernel_bench_baseline_reads_each_layer():
+    """Calls on different layers of the pool (what a graph replay walks) each match SDPA over that layer."""
+    paged, sdpa, _ = decode_case(batch=2, context=40, device=DEVICE, dtype=FP32, layers=2)
+    for layer in range(2):
+        torch.testing.assert_close(paged(3, layer, block_n=32), sdpa(layer), **TOLERANCE[FP32])
+    assert not torch.allclose(sdpa(0), sdpa(1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_sweeps_are_empty_without_cuda():
+    assert bench.decode_sweep() == [] and bench.prefill_bench() == []
+
+
+def test_decode_sweep_stays_within_its_compile_budget():
+    """The sweep's variants compile few kernels: one decode kernel per (plain or split, tuning), one merge per
+    power of two of the split counts; the rule's count at 1 x 32k is whatever a device gives, 49 on an H200."""
+    decode, merges = set(), set()
+    for batch, context in bench.SHAPES:
+        for splits, tuning in bench.decode_variants(batch, context, auto_splits=49 if batch == 1 else 1):
+            decode.add((splits > 1, tuning))
+            if splits > 1:
+                merges.add(1 << (splits - 1).bit_length())
+    assert len(decode) + len(merges) <= 40
+    assert len(bench.PREFILL_TUNINGS) <= 8
+
+
+def test_causal_flops_count_the_visible_pairs_only():
+    for query_len, context_len in [(1, 1), (3, 5), (2048, 8192), (8192, 8192)]:
+        pairs = sum(context_len - query_len + i + 1 for i in range(query_len))
+        assert bench.causal_pairs(query_len, context_len) == pairs
+    assert bench.attention_flops(4, 2048, 8192) == 4 * 4 * bench.causal_pairs(2048, 8192) * 128 * 32
+
+
+@pytest.mark.parametrize("num_seqs, query_len, context_len", [(2, 20, 40), (1, 24, 24)], ids=["chunk", "fresh"])
+def test_prefill_bench_baseline_computes_the_same_attention(num_seqs, query_len, context_len):
+    """The SDPA twin (lower-right causal mask behind a prefix, ``is_causal`` when fresh) matches the kernel."""
+    paged, sdpa_inputs = bench.prefill_case(num_seqs, query_len, context_len, DEVICE, FP32)
+    sdpa, path = bench.sdpa_causal(*sdpa_inputs)
+    expected = sdpa().transpose(1, 2).reshape(num_seqs * query_len, bench.NUM_HEADS, bench.HEAD_DIM)
+    torch.testing.assert_close(paged(block_m=32, block_n=16), expected, **TOLERANCE[FP32])
+    assert path in {"flash_attention", "efficient_attention", "cudnn_attention", "math"}
+
+
 def test_missing_triton_fails_only_on_use(monkeypatch):
     monkeypatch.setattr(kernels, "triton_available", lambda: False)
     with pytest.raises(ImportError, match="Triton"):
         kernels.paged_decode_attention  # noqa: B018
     with pytest.raises(ImportError, match="Triton"):
         TritonAttentionBackend()
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    """The bench's GPU-only measuring functions run here on CPU tensors, their timers stubbed: what is checked is
+    the rows they build (every variant run once, the rows plain JSON), not any time. Heads are few and small."""
+    for name, value in [("NUM_HEADS", 4), ("NUM_KV_HEADS", 2), ("HEAD_DIM", 32)]:
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(bench, "eager_ms", lambda fn: (fn(), 0.01)[1])
+    monkeypatch.setattr(bench, "graph_ms", lambda calls: (calls[-1](), 0.005)[1])
+    real_decode_case, real_prefill_case = bench.decode_case, bench.prefill_case
+    monkeypatch.setattr(bench, "decode_case", lambda batch, context, device, dtype, layers=1: real_decode_case(
+        batch, context, DEVICE, dtype, layers))
+    monkeypatch.setattr(bench, "prefill_case", lambda seqs, query_len, context_len, device, dtype: real_prefill_case(
+        seqs, query_len, context_len, DEVICE, dtype))
+
+
+def test_decode_sweep_rows(fake_h200):
+    import json
+    rows = bench.decode_sweep(shapes=[(1, 96), (2, 32)], dtype=FP32)
+    json.dumps(rows)
+    assert not [r for r in rows if "error" in r]
+    assert {r["shape"] for r in rows} == {"1 x 96", "2 x 32"}
+    sdpa = [r for r in rows if r["variant"] == "torch sdpa, contiguous"]
+    assert len(sdpa) == 2 and all(r["graph x sdpa"] == 1 for r in sdpa)
+    kernel = [r for r in rows if r["splits"] is not None]
+    assert all(r["graph x sdpa"] == 1 and r["eager us"] == 10 and r["graph us"] == 5 for r in kernel)
+    assert {r["block_n"] for r in kernel} == {32, 64, 128}
+
+
+def test_prefill_bench_rows(fake_h200):
+    import json
+    rows = bench.prefill_bench(cases=[(2, 16, 40), (1, 24, 24)], dtype=FP32,
+                               tunings=[bench.DEFAULT_PREFILL_TUNING, (32, 16, 4, 2)])
+    json.dumps(rows)
+    assert [r["case"] for r in rows] == ["2 x 16 behind 24 cached"] * 3 + ["1 x 24 fresh"] * 3
+    assert rows[0]["implementation"].startswith("torch sdpa (") and rows[0]["x sdpa"] == 1
+    assert rows[3]["TFLOP/s"] == 4 * bench.causal_pairs(24, 24) * 32 * 4 / 0.01 / 1e9

@@ -1,4 +1,4 @@
-"""Triton kernels: paged decode and prefill attention, storing K/V, copying cache blocks.
+"""Triton kernels: paged decode and prefill attention, storing K/V, copying cache blocks within and across pools.
 
 Triton is imported only when a kernel is first looked up, so ``import kvlib.kernels`` works where
 Triton is not installed (macOS, Windows) and the failure, a clear ImportError, comes only when a
@@ -20,6 +20,7 @@ _EXPORTS = {
     "paged_prefill_attention": "kvlib.kernels.paged_prefill",
     "store_kv": "kvlib.kernels.cache_ops",
     "copy_blocks": "kvlib.kernels.cache_ops",
+    "copy_blocks_across": "kvlib.kernels.cache_ops",
 }
 
 __all__ = [*_EXPORTS, "triton_available", "for_device"]

@@ -20,7 +20,7 @@ NO_WINDOW = 2**31 - 1  # a sliding window longer than any context: plain causal 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch settings for one dtype, chosen so ptxas reports no spills on sm_80 and sm_90
+    """Launch settings for one dtype, chosen so ptxas reports no spills on sm_80, sm_89 and sm_90
     (``tests/test_kernel_compile.py`` compiles every variant for both and checks).
 
     fp32 dots must ask for IEEE precision, as the default, TF32, keeps only a 10-bit mantissa;

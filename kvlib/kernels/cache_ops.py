@@ -1,7 +1,11 @@
-"""Writing into the KV cache: storing a step's new K/V, and copying whole blocks for copy-on-write.
+"""Writing into the KV cache: storing a step's new K/V, copying whole blocks for copy-on-write, and moving
+blocks between two pools.
 
-Both run as a single launch whatever the number of tokens or blocks, so their cost does not
-grow with per-call launch overhead.
+Each runs as a single launch whatever the number of tokens or blocks, so its cost does not
+grow with per-call launch overhead. ``copy_blocks_across`` may take a pinned host pool as either
+side: a GPU reaches pinned host memory at the same address (unified addressing; Triton's launcher
+asks the driver for the device address of every pointer argument, and a pinned tensor has one), so
+one kernel moves scattered blocks across the link with no staging buffer and no copy per run.
 """
 from __future__ import annotations
 
@@ -54,6 +58,20 @@ def _copy_blocks_kernel(data_ptr, src_ptr, dst_ptr, stride_block, block_numel, C
     tl.store(data_ptr + dst * stride_block + offsets, chunk, mask=mask)
 
 
+@triton.jit
+def _copy_blocks_across_kernel(src_data_ptr, dst_data_ptr, src_ptr, dst_ptr, src_stride_block, dst_stride_block,
+                               block_numel, CHUNK: tl.constexpr):
+    """Program (pair, chunk) copies one chunk of block ``src[pair]`` of one pool into block ``dst[pair]`` of
+    another."""
+    pair = tl.program_id(0)
+    offsets = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offsets < block_numel
+    src = tl.load(src_ptr + pair).to(tl.int64)
+    dst = tl.load(dst_ptr + pair).to(tl.int64)
+    chunk = tl.load(src_data_ptr + src * src_stride_block + offsets, mask=mask)
+    tl.store(dst_data_ptr + dst * dst_stride_block + offsets, chunk, mask=mask)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, kv_heads, head_dim]`` into their slots; slot -1 is skipped.
@@ -94,4 +112,29 @@ def copy_blocks(pool_data: torch.Tensor, src_ids: Sequence[int] | torch.Tensor,
     block_numel = pool_data[0].numel()
     _copy_blocks_kernel[(len(src), triton.cdiv(block_numel, COPY_CHUNK))](
         pool_data, src, dst, pool_data.stride(0), block_numel, CHUNK=COPY_CHUNK,
+    )
+
+
+def copy_blocks_across(src_data: torch.Tensor, dst_data: torch.Tensor, src_ids: torch.Tensor,
+                       dst_ids: torch.Tensor, chunk: int = COPY_CHUNK) -> None:
+    """Copy block ``src_ids[i]`` of ``src_data`` onto block ``dst_ids[i]`` of ``dst_data`` for every i, in one
+    launch.
+
+    The pools share a block shape and dtype, and each block is contiguous; either may be pinned host
+    memory while the other is on the GPU (the kernel then reads or writes across the link itself).
+    ``src_ids``/``dst_ids`` are int64 tensors where the kernel runs (the device). ``chunk``: elements each
+    program moves, a power of two.
+    """
+    if src_data.shape[1:] != dst_data.shape[1:] or src_data.dtype != dst_data.dtype:
+        raise ValueError(f"the pools hold different blocks: {tuple(src_data.shape[1:])} {src_data.dtype} and "
+                         f"{tuple(dst_data.shape[1:])} {dst_data.dtype}")
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    if len(src_ids) == 0:
+        return
+    if not (src_data[0].is_contiguous() and dst_data[0].is_contiguous()):
+        raise ValueError("copy_blocks_across needs each block to be one contiguous run of memory")
+    block_numel = src_data[0].numel()
+    _copy_blocks_across_kernel[(len(src_ids), triton.cdiv(block_numel, chunk))](
+        src_data, dst_data, src_ids, dst_ids, src_data.stride(0), dst_data.stride(0), block_numel, CHUNK=chunk,
     )

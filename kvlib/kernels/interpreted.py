@@ -44,7 +44,8 @@ def _import_interpreted() -> SimpleNamespace:
     return SimpleNamespace(paged_decode_attention=decode.paged_decode_attention,
                            choose_num_splits=decode.choose_num_splits,
                            paged_prefill_attention=prefill.paged_prefill_attention,
-                           store_kv=cache_ops.store_kv, copy_blocks=cache_ops.copy_blocks)
+                           store_kv=cache_ops.store_kv, copy_blocks=cache_ops.copy_blocks,
+                           copy_blocks_across=cache_ops.copy_blocks_across)
 
 
 def interpreted_kernels() -> SimpleNamespace:

@@ -39,6 +39,7 @@ BLOCK_N = 64  # context tokens per loop step
 DEFAULT_PROGRAMS_PER_SM = 3  # programs of the split kernel one multiprocessor holds, before one was compiled here
 MIN_SPLIT_TOKENS = 256  # shortest split the rule makes, so partial writes and the merge stay small next to the reads
 MAX_SPLITS = 64  # most splits the rule makes
+MERGE_CHUNK = MAX_SPLITS  # splits the merge kernel reads at a time: any count the rule picks in one pass
 SPLIT_ALIGN = 16  # split lengths are rounded up to a multiple of this many tokens
 MAX_PROGRAMS_PER_SM = 32  # resident blocks per multiprocessor, compute capability 8.0 to 9.0
 REGISTER_GRANULE = 256  # registers are allocated to a warp in units of this many
@@ -132,24 +133,34 @@ def _merge_splits_kernel(
     stride_os, stride_oh, stride_od,
     stride_ps, stride_ph, stride_pp, stride_pd,
     stride_ls, stride_lh, stride_lp,
-    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ALIGN: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr, MERGE_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
-    """Weight each split's partial output by its share of the softmax mass, exp2(lse - max lse)."""
+    """Weight each split's partial output by its share of the softmax mass, exp2(lse - max lse).
+
+    The partial outputs are read ``MERGE_CHUNK`` splits at a time, only as far as the sequence's splits go, so
+    a forced split count past the rule's ``MAX_SPLITS`` keeps its tile in registers (a ``[256, 128]`` fp32
+    tile read at once spilled)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     visible = tl.minimum(tl.load(context_lens_ptr + seq), window)
     num_valid = tl.cdiv(visible, split_length(visible, num_splits, min_split, ALIGN))
     s = tl.arange(0, NUM_SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = s < num_valid
-    lse = tl.load(part_lse_ptr + seq * stride_ls + head * stride_lh + s * stride_lp,
-                  mask=s_mask, other=float("-inf"))
-    weight = tl.where(s_mask, tl.exp2(lse - tl.max(lse, 0)), 0.0)
-    parts = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph + s[:, None] * stride_pp
-                    + d[None, :] * stride_pd, mask=s_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0)
+    lse_ptrs = part_lse_ptr + seq * stride_ls + head * stride_lh
+    max_lse = tl.max(tl.load(lse_ptrs + s * stride_lp, mask=s < num_valid, other=float("-inf")), 0)
+    total = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    weight_sum = 0.0
+    for first in range(0, num_valid, MERGE_CHUNK):
+        c = first + tl.arange(0, MERGE_CHUNK)
+        c_mask = c < num_valid
+        weight = tl.where(c_mask, tl.exp2(tl.load(lse_ptrs + c * stride_lp, mask=c_mask, other=0.0) - max_lse), 0.0)
+        parts = tl.load(part_out_ptr + seq * stride_ps + head * stride_ph + c[:, None] * stride_pp
+                        + d[None, :] * stride_pd, mask=c_mask[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        total += tl.sum(weight[:, None] * parts, 0)
+        weight_sum += tl.sum(weight, 0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+             (total / weight_sum).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, props) -> int:
@@ -217,7 +228,8 @@ def split_warm_up_bounds() -> tuple[int, ...]:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context_len: int | None = None, num_splits: int | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, block_n: int = BLOCK_N,
+                           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Attention of ``query`` ``[num_seqs, num_heads, head_dim]`` over each sequence's context.
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides;
@@ -228,6 +240,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     ``choose_num_splits`` (splits of at least ``MIN_SPLIT_TOKENS``). Each sequence's split length is
     its own context's share. With ``sliding_window`` ``w``, each query sees only the last ``w``
     positions of its context.
+
+    ``block_n`` (context tokens per loop step, a power of two of at least 16), ``num_warps`` (the dtype's
+    ``kernel_config`` when None) and ``num_stages`` (Triton's default when None) are the decode kernel's launch
+    tunables, passable per call so a benchmark can sweep them; the merge kernel keeps its own.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -236,6 +252,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                         f"{k_cache.dtype}, {v_cache.dtype}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    if block_n < MIN_DOT or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two of at least {MIN_DOT}, got {block_n}")
     window = kernel_window(sliding_window)
     out = torch.empty_like(query)
     if num_seqs == 0:
@@ -255,6 +273,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         min_split = SPLIT_ALIGN
     num_splits = min(num_splits, triton.cdiv(span, min_split))  # none that no sequence could fill
     config = kernel_config(query.dtype)
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     split = num_splits > 1
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
@@ -271,16 +290,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         *part_strides,
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
-        SPLIT=split, DOT_PRECISION=config.dot_precision, ALIGN=SPLIT_ALIGN, num_warps=config.decode_num_warps,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        SPLIT=split, DOT_PRECISION=config.dot_precision, ALIGN=SPLIT_ALIGN,
+        num_warps=num_warps or config.decode_num_warps, **stages,
     )
     if split:
-        if query.device.type == "cuda":
-            record_occupancy(occupancy_key, compiled, query.device)
+        if query.device.type == "cuda" and (block_n, num_warps, num_stages) == (BLOCK_N, None, None):
+            record_occupancy(occupancy_key, compiled, query.device)  # the rule is for the default launch only
+        splits_pad = triton.next_power_of_2(num_splits)
         _merge_splits_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, context_lens, num_splits, min_split, window,
             *out.stride(), *part_out.stride(), *part_lse.stride(),
-            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            ALIGN=SPLIT_ALIGN,
+            NUM_SPLITS_PAD=splits_pad, MERGE_CHUNK=min(MERGE_CHUNK, splits_pad),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, ALIGN=SPLIT_ALIGN,
         )
     return out

@@ -106,7 +106,9 @@ def _paged_prefill_kernel(
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
-                            max_query_len: int, scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                            max_query_len: int, scale: float, sliding_window: int | None = None,
+                            block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None) -> torch.Tensor:
     """Causal attention of packed ``query`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
     Sequence ``i`` owns rows ``query_start[i] .. query_start[i+1]-1`` (``query_start`` is
@@ -114,6 +116,10 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     ``max_query_len`` (at least every query length) is the metadata's; the grid no longer needs
     it, being sized by the token count. With ``sliding_window`` ``w``, each query sees only the
     last ``w`` positions up to its own.
+
+    ``block_m`` (query rows per program), ``block_n`` (context tokens per loop step), ``num_warps`` and
+    ``num_stages`` are launch tunables, passable per call so a benchmark can sweep them; None takes the dtype's
+    ``kernel_config`` (Triton's default stages).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -130,15 +136,16 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = max(1, BLOCK_M // group_pad)
+    block_q = max(1, block_m // group_pad)
     config = kernel_config(query.dtype)
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     _paged_prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         out, query, k_cache, v_cache, block_tables, context_lens, query_start,
         scale * LOG2E, window, num_seqs,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=config.prefill_block_n,
-        DOT_PRECISION=config.dot_precision, num_warps=config.prefill_num_warps,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_N=block_n or config.prefill_block_n,
+        DOT_PRECISION=config.dot_precision, num_warps=num_warps or config.prefill_num_warps, **stages,
     )
     return out

@@ -17,6 +17,11 @@ chunk while the previous one crosses the link; a half is reused only after the e
 reader. Block ids reach the device through a persistent pinned buffer (``PinnedIds``), one upload
 per call, as do the runner's copy-on-write ids and forked samples' rows. Nothing here synchronizes
 the device: ``streams`` (``kvlib.runner.streams``) orders everything with events.
+
+``direct=True`` selects another path: one kernel (``kvlib.kernels.copy_blocks_across``) reads or writes
+the pinned host pool itself, so scattered host blocks cost no copy each, at the price of running on
+the compute stream (the model's work waits for the link) and of taking multiprocessors for the
+transfer. The staged path stays the default; ``kvlib bench swap`` measures both.
 """
 from __future__ import annotations
 
@@ -72,17 +77,20 @@ class PinnedIds:
 class StagedTransfer:
     """Block moves between one device pool and pinned host pools of the same block shape."""
 
-    def __init__(self, data: torch.Tensor, streams, staging_blocks: int):
-        """``data``: the device pool tensor, ``[num_blocks, *block]``; ``staging_blocks``: blocks the buffer holds."""
+    def __init__(self, data: torch.Tensor, streams, staging_blocks: int, direct: bool = False):
+        """``data``: the device pool tensor, ``[num_blocks, *block]``; ``staging_blocks``: blocks the buffer holds;
+        ``direct``: move blocks with one kernel over the host memory instead (see the module doc)."""
         if staging_blocks < 2:
             raise ValueError(f"the staging buffer needs room for at least 2 blocks (one per half), got {staging_blocks}")
         self.data = data
         self.streams = streams
-        half = staging_blocks // 2
+        half = 0 if direct else staging_blocks // 2  # the direct path stages nothing
         self.halves = [torch.empty((half, *data.shape[1:]), dtype=data.dtype, device=data.device) for _ in range(2)]
         self.released = [streams.compute.record() for _ in range(2)]  # after each half's last reader
         self.turn = 0
         self.ids = PinnedIds(2, data.shape[0], data.device, streams)
+        self.direct = direct
+        self.pair_ids = PinnedIds(2, 2 * data.shape[0], data.device, streams) if direct else None
 
     @property
     def staging_bytes(self) -> int:
@@ -90,6 +98,9 @@ class StagedTransfer:
 
     def to_host(self, host: torch.Tensor, device_ids: list[int], host_ids: list[int]) -> None:
         """Device blocks ``device_ids`` into blocks ``host_ids`` of the pinned host pool tensor ``host``."""
+        if self.direct:
+            self._move_directly(OUT, self.data, host, device_ids, host_ids)
+            return
         compute, copy = self.streams.compute, self.streams.copy
         for ids, staged, host_views, staged_views in self._chunks(OUT, host, host_ids, device_ids):
             compute.wait(self.released[self.turn])
@@ -103,6 +114,9 @@ class StagedTransfer:
 
     def to_device(self, host: torch.Tensor, host_ids: list[int], device_ids: list[int]) -> None:
         """Blocks ``host_ids`` of the pinned host pool tensor ``host`` into device blocks ``device_ids``."""
+        if self.direct:
+            self._move_directly(IN, host, self.data, host_ids, device_ids)
+            return
         compute, copy = self.streams.compute, self.streams.copy
         for ids, staged, host_views, staged_views in self._chunks(IN, host, host_ids, device_ids):
             with copy:
@@ -113,6 +127,16 @@ class StagedTransfer:
             with compute:
                 self.data.index_copy_(0, ids, staged)
             self.released[self.turn] = compute.record()
+
+    def _move_directly(self, row: int, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int],
+                       dst_ids: list[int]) -> None:
+        """One kernel on the compute stream: work queued before it wrote the blocks it reads, work queued after
+        it (a freed device block's next owner, the forward pass reading moved blocks) sees them moved."""
+        from kvlib.kernels import for_device
+        count = len(src_ids)
+        ids = self.pair_ids.upload(row, [*src_ids, *dst_ids])
+        with self.streams.compute:
+            for_device(self.data.device).copy_blocks_across(src, dst, ids[:count], ids[count:])
 
     def _chunks(self, row: int, host: torch.Tensor, host_ids: list[int], device_ids: list[int]):
         """Per chunk of a move, in the staging halves by turns: ``(device ids, the half's rows for them, each run

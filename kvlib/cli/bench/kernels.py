@@ -13,6 +13,14 @@ reports:
   mask), so SDPA also reads every K/V byte once, with no repeated kv heads.
 - at 1 x 32k, the kernel both plain and with split-KV, the case the split exists for.
 
+Two measuring functions go further, for a GPU check to call (each returns plain rows, empty without CUDA):
+
+- ``decode_sweep``: the decode kernel over a small grid of split counts and launch tunings (BLOCK_N,
+  warps, pipeline stages), each timed eagerly and replayed from a CUDA graph (what the engine's decode
+  replays see: no Python launch cost), against SDPA timed both ways;
+- ``prefill_bench``: chunked-prefill attention in TFLOP/s over the causally visible pairs, per launch
+  tuning, against SDPA's fused causal kernels, naming the path SDPA took.
+
 Peak bandwidth comes from ``PEAK_BANDWIDTH_GBPS``, vendor figures matched against the device
 name. A device not in it gets no "% of peak" figure rather than a guessed one: add its entry.
 Every shape reads far more K/V than any L2 cache holds, and ``triton.testing.do_bench`` clears
@@ -79,15 +87,21 @@ def bench_dtypes(engine_dtype: torch.dtype) -> list[torch.dtype]:
     return list(dict.fromkeys([engine_dtype, SECOND_DTYPE]))
 
 
+def decode_kv_bytes(batch: int, context: int, dtype: torch.dtype) -> int:
+    """K/V bytes one decode call reads: every cached token's K and V of every kv head."""
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * torch.empty((), dtype=dtype).element_size()
+
+
 def decode_case(batch: int, context: int, device: torch.device | str,
-                dtype: torch.dtype) -> tuple[Callable, Callable, int]:
-    """The paged kernel (a function of the split count), its SDPA twin, and the K/V bytes both read."""
+                dtype: torch.dtype, layers: int = 1) -> tuple[Callable, Callable, int]:
+    """The paged kernel (a function of the split count, the layer and the kernel's tunables), its SDPA twin (a
+    function of the layer), and the K/V bytes either reads per call. ``layers``: how many layers the pool holds,
+    so calls back to back can read different bytes, as a model's layers do."""
     from kvlib.kernels import paged_decode_attention
 
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq
-    pool = torch.randn(num_blocks, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
-    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    pool = torch.randn(num_blocks, layers, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
     block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
     context_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
@@ -97,18 +111,18 @@ def decode_case(batch: int, context: int, device: torch.device | str,
         tokens = cache[block_tables.long()].reshape(batch, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context]
         return tokens.transpose(1, 2).contiguous()
 
-    k, v = contiguous(k_cache), contiguous(v_cache)
+    contiguous_kv = [(contiguous(pool[:, layer, 0]), contiguous(pool[:, layer, 1])) for layer in range(layers)]
     grouped_query = query.view(batch, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM)
 
-    def paged(num_splits: int | None) -> torch.Tensor:
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                                      max_context_len=context, num_splits=num_splits)
+    def paged(num_splits: int | None, layer: int = 0, **tunables) -> torch.Tensor:
+        return paged_decode_attention(query, pool[:, layer, 0], pool[:, layer, 1], block_tables, context_lens, scale,
+                                      max_context_len=context, num_splits=num_splits, **tunables)
 
-    def sdpa() -> torch.Tensor:
+    def sdpa(layer: int = 0) -> torch.Tensor:
+        k, v = contiguous_kv[layer]
         return F.scaled_dot_product_attention(grouped_query, k, v, scale=scale).reshape(batch, NUM_HEADS, HEAD_DIM)
 
-    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * pool.element_size()
-    return paged, sdpa, kv_bytes
+    return paged, sdpa, decode_kv_bytes(batch, context, dtype)
 
 
 def below_kernel_capability(device: torch.device | str = "cuda") -> str | None:
@@ -169,6 +183,231 @@ def run_kernel_bench(dtypes: list[torch.dtype] | None = None) -> list[dict]:
             rows.append(row(dtype, shape, "torch sdpa, contiguous", None, sdpa_ms, kv_bytes, sdpa_ms))
             del paged, sdpa
             torch.cuda.empty_cache()
+    return rows
+
+
+# decode_sweep: the kernel's tunables over the timed shapes, each timed eagerly and replayed from a CUDA graph.
+DecodeTuning = tuple[int, int, int]  # (BLOCK_N, num_warps, num_stages)
+DEFAULT_DECODE_TUNING: DecodeTuning = (64, 4, 3)  # paged_decode.BLOCK_N, bf16's decode_num_warps, Triton's default
+DECODE_TUNINGS: list[DecodeTuning] = [DEFAULT_DECODE_TUNING, (32, 4, 3), (128, 4, 3), (64, 8, 3), (128, 8, 3),
+                                      (64, 4, 2), (64, 4, 4), (32, 4, 4)]
+SWEEP_SPLITS = (32, 64, 128, 256)  # forced split counts tried at 1 x 32k, per kv head
+TUNED_SPLITS = 128  # the split count every tuning is tried at, at 1 x 32k
+SHORT_SPLITS = (2, 4)  # forced split counts tried at the batched shapes, default tuning
+GRAPH_BYTES = 512 * 2**20  # K/V a graph replay reads at least, over distinct layers, so no call is served from L2
+MAX_GRAPH_LAYERS = 8
+BENCH_WARMUP_MS, BENCH_REP_MS = 10, 50  # do_bench's budget per timing: enough at tens of microseconds a call
+
+
+def graph_layers(kv_bytes: int) -> int:
+    """Layers one graph replay walks, each call reading its own layer's K/V: ``GRAPH_BYTES`` in all, or more."""
+    return max(1, min(MAX_GRAPH_LAYERS, -(-GRAPH_BYTES // kv_bytes)))
+
+
+def eager_ms(fn: Callable[[], object]) -> float:
+    """Median milliseconds of one call launched from Python (do_bench: L2 cleared before each)."""
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=BENCH_WARMUP_MS, rep=BENCH_REP_MS, return_mode="median")
+
+
+def graph_ms(calls: list[Callable[[], object]]) -> float:
+    """Median milliseconds per call of ``calls`` captured back to back in one CUDA graph and replayed, as the
+    engine replays decode: no Python launch cost, no allocation. The calls run once on a side stream first
+    (compiling, warming the allocator), outside the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in calls:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    ms = eager_ms(graph.replay) / len(calls)
+    del graph
+    return ms
+
+
+def tuning_label(splits: int, tuning: DecodeTuning) -> str:
+    block_n, warps, stages = tuning
+    return f"{'plain' if splits == 1 else f'split {splits}'}, BLOCK_N {block_n}, {warps} warps, {stages} stages"
+
+
+def decode_variants(batch: int, context: int, auto_splits: int) -> list[tuple[int, DecodeTuning]]:
+    """``(splits, tuning)`` pairs tried at one shape. At 1 x 32k: plain, the rule's count and ``SWEEP_SPLITS`` at
+    the default tuning, then every tuning at ``TUNED_SPLITS``; elsewhere every tuning at the rule's count and
+    ``SHORT_SPLITS`` at the default. Few distinct compiles: a split count is a kernel argument, not a constant
+    (only the merge kernel compiles once per power of two)."""
+    if batch == 1:
+        pairs = [(1, DEFAULT_DECODE_TUNING), (auto_splits, DEFAULT_DECODE_TUNING)]
+        pairs += [(splits, DEFAULT_DECODE_TUNING) for splits in SWEEP_SPLITS]
+        pairs += [(TUNED_SPLITS, tuning) for tuning in DECODE_TUNINGS]
+    else:
+        pairs = [(auto_splits, tuning) for tuning in DECODE_TUNINGS]
+        pairs += [(splits, DEFAULT_DECODE_TUNING) for splits in SHORT_SPLITS]
+    return list(dict.fromkeys(pairs))
+
+
+def decode_sweep(shapes: list[tuple[int, int]] = SHAPES, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+    """Paged decode over a grid of split counts and launch tunings (``decode_variants``), each timed eagerly and
+    replayed from a CUDA graph, against SDPA over a contiguous cache timed both ways: one row per (shape,
+    variant). Empty without CUDA; about 22 compiles at the default shapes.
+
+    The eager figure is what a Python loop of launches sees (at 1 x 32k, 28 us of K/V at an H200's peak, the
+    launches themselves can dominate); the graph figure is what the engine's decode replays see, and the one
+    to compare with the bandwidth roofline."""
+    if not torch.cuda.is_available():
+        return []
+    from kvlib.kernels import choose_num_splits
+    device = torch.device("cuda")
+    peak = peak_bandwidth_gbps(torch.cuda.get_device_name(device))
+    rows = []
+    for batch, context in shapes:
+        layers = graph_layers(decode_kv_bytes(batch, context, dtype))
+        paged, sdpa, kv_bytes = decode_case(batch, context, device, dtype, layers)
+        sdpa_eager = eager_ms(sdpa)
+        sdpa_graph = graph_ms([lambda layer=layer: sdpa(layer) for layer in range(layers)])
+        shape = f"{batch} x {context:,}"
+        rows.append(sweep_row(shape, "torch sdpa, contiguous", None, None, sdpa_eager, sdpa_graph, kv_bytes, peak,
+                              sdpa_eager, sdpa_graph, layers))
+        auto = choose_num_splits(batch, NUM_KV_HEADS, context, device)
+        for splits, tuning in decode_variants(batch, context, auto):
+            block_n, warps, stages = tuning
+
+            def call(layer: int = 0, splits=splits, block_n=block_n, warps=warps, stages=stages):
+                return paged(splits, layer, block_n=block_n, num_warps=warps, num_stages=stages)
+
+            label = tuning_label(splits, tuning) + (" (the rule's count)" if splits == auto else "")
+            try:
+                kernel_eager = eager_ms(call)
+                kernel_graph = graph_ms([lambda layer=layer: call(layer) for layer in range(layers)])
+            except Exception as error:  # noqa: BLE001 - a tuning the device cannot run (shared memory) is a finding
+                rows.append({"shape": shape, "variant": label, "error": f"{type(error).__name__}: {error}"[:300]})
+                continue
+            rows.append(sweep_row(shape, label, splits, tuning, kernel_eager, kernel_graph, kv_bytes, peak,
+                                  sdpa_eager, sdpa_graph, layers))
+        del paged, sdpa
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_row(shape: str, variant: str, splits: int | None, tuning: DecodeTuning | None, eager: float,
+              graph: float, kv_bytes: int, peak: float | None, sdpa_eager: float, sdpa_graph: float,
+              layers: int) -> dict:
+    """One row of ``decode_sweep``: times in microseconds, bandwidth, share of peak and speed against SDPA
+    timed the same way (above 1: faster than SDPA)."""
+    row = {"shape": shape, "variant": variant, "splits": splits, "block_n": tuning and tuning[0],
+           "num_warps": tuning and tuning[1], "num_stages": tuning and tuning[2], "graph layers": layers}
+    for timing, ms, sdpa_ms in (("eager", eager, sdpa_eager), ("graph", graph, sdpa_graph)):
+        gbps = kv_bytes / (ms * 1e-3) / 1e9
+        row |= {f"{timing} us": ms * 1e3, f"{timing} GB/s": gbps,
+                f"{timing} % of peak": 100 * gbps / peak if peak else None, f"{timing} x sdpa": sdpa_ms / ms}
+    return row
+
+
+# prefill_bench: chunked-prefill attention against SDPA's fused kernels, compute-bound, in TFLOP/s.
+PREFILL_CASES = [(4, 2048, 8192), (1, 8192, 8192)]  # (sequences, query tokens each, context each)
+PrefillTuning = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+DEFAULT_PREFILL_TUNING: PrefillTuning = (64, 64, 8, 3)  # paged_prefill.BLOCK_M, bf16's kernel_config, Triton's
+PREFILL_TUNINGS: list[PrefillTuning] = [DEFAULT_PREFILL_TUNING, (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 3),
+                                        (128, 64, 8, 2)]
+
+
+def causal_pairs(query_len: int, context_len: int) -> int:
+    """(query, key) pairs a causal chunk of ``query_len`` queries at the end of ``context_len`` positions sees:
+    query i (at position ``context_len - query_len + i``) sees that many keys plus one."""
+    return query_len * (context_len - query_len) + query_len * (query_len + 1) // 2
+
+
+def attention_flops(num_seqs: int, query_len: int, context_len: int) -> int:
+    """Multiply-adds of QK^T and PV over the visible pairs, 2 FLOPs each: 4 x pairs x head dim x query heads."""
+    return 4 * num_seqs * causal_pairs(query_len, context_len) * HEAD_DIM * NUM_HEADS
+
+
+def prefill_case(num_seqs: int, query_len: int, context_len: int, device: torch.device | str, dtype: torch.dtype):
+    """The paged prefill kernel over shuffled blocks (a function of its tunables) and the same attention's
+    inputs for SDPA, ``[num_seqs, heads, tokens, head_dim]`` with K/V repeated to every query head."""
+    from kvlib.kernels import paged_prefill_attention
+
+    blocks_per_seq = -(-context_len // BLOCK_SIZE)
+    num_blocks = num_seqs * blocks_per_seq
+    pool = torch.randn(num_blocks, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    block_tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).int()
+    context_lens = torch.full((num_seqs,), context_len, dtype=torch.int32, device=device)
+    query_start = torch.arange(0, (num_seqs + 1) * query_len, query_len, dtype=torch.int32, device=device)
+    query = torch.randn(num_seqs * query_len, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
+    scale = HEAD_DIM ** -0.5
+
+    def paged(**tunables) -> torch.Tensor:
+        return paged_prefill_attention(query, k_cache, v_cache, block_tables, context_lens, query_start, query_len,
+                                       scale, **tunables)
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        tokens = cache[block_tables.long()].reshape(num_seqs, -1, NUM_KV_HEADS, HEAD_DIM)[:, :context_len]
+        return tokens.transpose(1, 2).repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1).contiguous()
+
+    sdpa_inputs = (query.view(num_seqs, query_len, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous(),
+                   contiguous(k_cache), contiguous(v_cache), scale)
+    return paged, sdpa_inputs
+
+
+def sdpa_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> tuple[Callable, str]:
+    """SDPA causal attention of ``query`` at the end of the keys, pinned to the first fused path that accepts it
+    (flash, then memory-efficient, then cuDNN; math last): the call and that path's name. A query as long as
+    the keys is ``is_causal``; a chunk behind a prefix needs the causal mask aligned to the lower right
+    (``causal_lower_right``), as ``is_causal`` aligns it to the upper left."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    if query.shape[2] == key.shape[2]:
+        kwargs = dict(is_causal=True)
+    else:
+        kwargs = dict(attn_mask=causal_lower_right(query.shape[2], key.shape[2]))
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.MATH):
+        def call(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(query, key, value, scale=scale, **kwargs)
+        try:
+            call()
+        except RuntimeError:
+            continue
+        return call, backend.name.lower()
+    raise RuntimeError("no SDPA backend accepts this attention")
+
+
+def prefill_bench(cases: list[tuple[int, int, int]] = PREFILL_CASES, dtype: torch.dtype = torch.bfloat16,
+                  tunings: list[PrefillTuning] = PREFILL_TUNINGS) -> list[dict]:
+    """Chunked-prefill attention in TFLOP/s (causal FLOPs over the visible pairs only) for each tuning, against
+    SDPA over a contiguous cache: one row per (case, tuning) and one for SDPA naming the path it took. Empty
+    without CUDA; one compile per tuning (the cases share them)."""
+    if not torch.cuda.is_available():
+        return []
+    device = torch.device("cuda")
+    rows = []
+    for num_seqs, query_len, context_len in cases:
+        paged, sdpa_inputs = prefill_case(num_seqs, query_len, context_len, device, dtype)
+        sdpa, path = sdpa_causal(*sdpa_inputs)
+        flops = attention_flops(num_seqs, query_len, context_len)
+        fresh = "fresh" if query_len == context_len else f"behind {context_len - query_len:,} cached"
+        case = f"{num_seqs} x {query_len:,} {fresh}"
+        sdpa_ms = eager_ms(sdpa)
+        rows.append({"case": case, "implementation": f"torch sdpa ({path}), contiguous", "tuning": None,
+                     "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9, "x sdpa": 1.0})
+        for block_m, block_n, warps, stages in tunings:
+            tuning = f"BLOCK_M {block_m}, BLOCK_N {block_n}, {warps} warps, {stages} stages"
+            try:
+                ms = eager_ms(lambda: paged(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages))
+            except Exception as error:  # noqa: BLE001 - a tuning the device cannot run (shared memory) is a finding
+                rows.append({"case": case, "implementation": "triton paged prefill", "tuning": tuning,
+                             "error": f"{type(error).__name__}: {error}"[:300]})
+                continue
+            rows.append({"case": case, "implementation": "triton paged prefill", "tuning": tuning,
+                         "ms": ms, "TFLOP/s": flops / ms / 1e9, "x sdpa": sdpa_ms / ms})
+        del paged, sdpa, sdpa_inputs
+        torch.cuda.empty_cache()
     return rows
 
 

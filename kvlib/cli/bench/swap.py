@@ -18,6 +18,11 @@ to find.
   that load from other processes falls on both alike (the best run is the one least disturbed by
   them); the GPU is synchronized around each run. The
   warm-up's result is checked byte for byte against the source blocks (``copied right``).
+
+``swap_paths_bench`` (for a GPU check) sets the engine's staged path against one kernel moving the
+scattered blocks over the pinned host memory directly (``StagedTransfer(direct=True)``), and both
+against the contiguous copy: llama-3-8b blocks of 512 KiB and 2 MiB, scattered host blocks, both
+directions, every path's bytes checked.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from kvlib.cli.bench.memory import LLAMA3_8B_CONFIG
 from kvlib.cli.bench.report import format_table
 from kvlib.model.config import ModelConfig
 from kvlib.model.default import DEFAULT_CONFIG
+from kvlib.runner.block_transfer import StagedTransfer
 from kvlib.runner.cost_probe import time_once
 from kvlib.runner.device import resolve_device, resolve_dtype
 from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
@@ -44,15 +50,21 @@ def block_spec(model: str, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
     return KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
 
 
-def paired_times(first: Callable[[], None], second: Callable[[], None], device: torch.device,
-                 repeats: int) -> tuple[list[float], list[float]]:
-    """Wall times of ``first`` and ``second``, run alternately so that load from other processes falls on
-    both alike; the GPU is waited for before and after each run."""
-    times: tuple[list[float], list[float]] = ([], [])
+def times_in_turns(fns: list[Callable[[], None]], device: torch.device, repeats: int) -> list[list[float]]:
+    """Wall times of each of ``fns``, run in turns so that load from other processes falls on all alike; the
+    GPU is waited for before and after each run."""
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in zip((first, second), times):
+        for fn, out in zip(fns, times):
             out.append(time_once(fn, device))
     return times
+
+
+def paired_times(first: Callable[[], None], second: Callable[[], None], device: torch.device,
+                 repeats: int) -> tuple[list[float], list[float]]:
+    """``times_in_turns`` of two functions."""
+    first_times, second_times = times_in_turns([first, second], device, repeats)
+    return first_times, second_times
 
 
 def measure_swap(spec: KVCacheSpec, num_blocks: int, device: torch.device, repeats: int = 5,
@@ -94,6 +106,80 @@ def measure_swap(spec: KVCacheSpec, num_blocks: int, device: torch.device, repea
                 "contiguous GB/s": nbytes / contiguous_s / 1e9, "% of contiguous": 100 * contiguous_s / scattered_s,
                 "copied right": copied_right,
             })
+    return rows
+
+
+PATH_BLOCK_SIZES = (4, 16)  # llama-3-8b blocks of 512 KiB and 2 MiB
+
+
+def moved_right(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> bool:
+    """Whether blocks ``dst_ids`` of ``dst`` hold exactly blocks ``src_ids`` of ``src`` (the GPU waited for)."""
+    torch.cuda.synchronize()
+    return torch.equal(dst[dst_ids].cpu(), src[src_ids].cpu())
+
+
+def measure_swap_paths(spec: KVCacheSpec, num_blocks: int, repeats: int = 9, seed: int = 0) -> list[dict]:
+    """Scattered blocks both ways between a GPU pool and a pinned host pool, three ways: the staged path (the
+    engine's default), one direct kernel over the pinned memory (``StagedTransfer(direct=True)``) and one
+    contiguous copy of the same bytes. One row per direction; each path's result is checked byte for byte
+    after its warm-up, into destination blocks zeroed first. A path that fails (Triton refusing the pinned
+    pointer, say) gets its error in the row instead of times."""
+    generator = torch.Generator().manual_seed(seed)
+    device = torch.device("cuda")
+    device_pool = KVCachePool(spec, 2 * num_blocks, device)
+    host_pool = KVCachePool(spec, 2 * num_blocks, "cpu", pin_memory=True)
+    for pool in (device_pool, host_pool):
+        pool.data.copy_(torch.rand(pool.data.shape, generator=generator).to(spec.dtype))
+    staged = device_pool.transfer
+    direct = StagedTransfer(device_pool.data, staged.streams, staging_blocks=2, direct=True)
+    rows = []
+    for direction, src, dst in [("out", device_pool, host_pool), ("in", host_pool, device_pool)]:
+        device_ids = torch.randperm(2 * num_blocks, generator=generator)[:num_blocks].tolist()
+        host_ids = torch.randperm(2 * num_blocks, generator=generator)[:num_blocks].tolist()
+        src_ids, dst_ids = (device_ids, host_ids) if direction == "out" else (host_ids, device_ids)
+
+        def move(transfer: StagedTransfer) -> Callable[[], None]:
+            if direction == "out":
+                return lambda: transfer.to_host(host_pool.data, device_ids, host_ids)
+            return lambda: transfer.to_device(host_pool.data, host_ids, device_ids)
+
+        def contiguous():
+            dst.data[:num_blocks].copy_(src.data[:num_blocks])
+
+        paths = {"staged": move(staged), "direct": move(direct)}
+        nbytes = num_blocks * spec.block_bytes
+        row = {"block KiB": spec.block_bytes / 1024, "blocks": num_blocks, "MiB": nbytes / 2**20,
+               "direction": direction, "host blocks": "scattered"}
+        working = {}
+        for name, fn in paths.items():
+            dst.data[dst_ids] = 0
+            try:
+                fn()
+            except Exception as error:  # noqa: BLE001 - a path this GPU or Triton refuses is a finding, not a crash
+                row[f"{name} error"] = f"{type(error).__name__}: {error}"[:300]
+                continue
+            row[f"{name} copied right"] = moved_right(src.data, dst.data, src_ids, dst_ids)
+            working[name] = fn
+        contiguous()
+        *path_seconds, contiguous_s = map(min, times_in_turns([*working.values(), contiguous], device, repeats))
+        row["contiguous GB/s"] = nbytes / contiguous_s / 1e9
+        for name, seconds in zip(working, path_seconds):
+            row |= {f"{name} GB/s": nbytes / seconds / 1e9, f"{name} % of contiguous": 100 * contiguous_s / seconds}
+        rows.append(row)
+    return rows
+
+
+def swap_paths_bench(block_sizes=PATH_BLOCK_SIZES, total_mib: float = 64, model: str = "llama-3-8b",
+                     repeats: int = 9, seed: int = 0) -> list[dict]:
+    """``measure_swap_paths`` rows (``out``, ``in``) per block size, each moving ``total_mib`` of KV of ``model``
+    in the dtype the engine serves the GPU in; empty without CUDA. One compile (the direct kernel)."""
+    if not torch.cuda.is_available():
+        return []
+    dtype = resolve_dtype("auto", torch.device("cuda"))
+    rows = []
+    for block_size in block_sizes:
+        spec = block_spec(model, block_size, dtype)
+        rows += measure_swap_paths(spec, max(1, int(total_mib * 2**20 // spec.block_bytes)), repeats, seed)
     return rows
 
 
