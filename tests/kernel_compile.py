@@ -88,10 +88,10 @@ def record_variants() -> list[tuple[str, object, tuple, dict]]:
     from kvlib.cli.bench.kernels import (
         DECODE_TUNINGS,
         DEFAULT_DECODE_TUNING,
-        DEFAULT_PREFILL_TUNING,
         PREFILL_TUNINGS,
         SWEEP_SPLITS,
     )
+    from kvlib.kernels.attention_tiles import kernel_config
     from kvlib.kernels.paged_decode import MAX_SPLITS
     launches: list = []
     variants: list = []
@@ -139,8 +139,9 @@ def record_variants() -> list[tuple[str, object, tuple, dict]]:
             capture(f"{dtype_name}, {MAX_SPLITS} splits", decode(MAX_SPLITS), keep=slice(1, 2))
             for splits in SWEEP_SPLITS[-2:]:
                 capture(f"{dtype_name}, {TUNING_MARK} {splits} splits", decode(splits), keep=slice(1, 2))
+            config = kernel_config(dtype)  # what the capture launched: the tiles of a GPU before Hopper
             for tuning in PREFILL_TUNINGS:
-                if tuning != DEFAULT_PREFILL_TUNING:
+                if tuning != (config.prefill_block_m, config.prefill_block_n, config.prefill_num_warps, 3):
                     block_m, block_n, warps, stages = tuning
                     capture(f"{dtype_name}, {TUNING_MARK} BLOCK_M {block_m}, BLOCK_N {block_n}, {warps} warps, "
                             f"{stages} stages",

@@ -30,6 +30,7 @@ from kvlib.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvlib.cli.bench import kernels as bench  # noqa: E402
 from kvlib.cli.bench.kernels import decode_case, run_kernel_bench  # noqa: E402
 from kvlib.kernels import paged_prefill  # noqa: E402
+from kvlib.kernels.attention_tiles import kernel_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ["TRITON_INTERPRET"] == "0" else "cpu"
 KV_HEADS = 2
@@ -257,7 +258,7 @@ def test_prefill_grid_follows_the_work(monkeypatch):
     kernels.paged_prefill_attention(query, cache, cache, meta.block_tables, meta.context_lens, meta.query_start,
                                     meta.max_query_len, SCALE)
     (grid,) = launches
-    block_q = paged_prefill.BLOCK_M  # one query head per kv head: a program's rows are all tokens
+    block_q = kernel_config(query.dtype).prefill_block_m  # one query head per kv head: a program's rows are all tokens
     needed = sum(-(-n // block_q) for n in query_lens) * KV_HEADS
     assert needed <= math.prod(grid) <= needed + len(query_lens) * KV_HEADS
 
@@ -541,3 +542,11 @@ def test_prefill_bench_rows(fake_h200):
     assert [r["case"] for r in rows] == ["2 x 16 behind 24 cached"] * 3 + ["1 x 24 fresh"] * 3
     assert rows[0]["implementation"].startswith("torch sdpa (") and rows[0]["x sdpa"] == 1
     assert rows[3]["TFLOP/s"] == 4 * bench.causal_pairs(24, 24) * 32 * 4 / 0.01 / 1e9
+
+
+def test_prefill_takes_the_tiles_measured_fastest_on_hopper_and_the_unspilled_ones_elsewhere():
+    hopper, ampere, ada = (kernel_config(torch.bfloat16, c) for c in ((9, 0), (8, 0), (8, 9)))
+    assert (hopper.prefill_block_m, hopper.prefill_block_n, hopper.prefill_num_warps) == (128, 32, 4)
+    assert ampere == ada == kernel_config(torch.bfloat16)  # before Hopper the 128-row tile spills: the 64 x 64 stays
+    assert (ampere.prefill_block_m, ampere.prefill_block_n, ampere.prefill_num_warps) == (64, 64, 8)
+    assert kernel_config(torch.float32, (9, 0)) == kernel_config(torch.float32)  # fp32 tiles are not the 16-bit ones

@@ -24,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlib.kernels.attention_tiles import LOG2E, MIN_DOT, attend_tile, kernel_config, kernel_window, load_block_ids
-
-BLOCK_M = 64  # query rows (tokens x group heads) per program, at least MIN_DOT whatever the group
+from kvlib.kernels.attention_tiles import (LOG2E, MIN_DOT, attend_tile, device_capability, kernel_config,
+                                          kernel_window, load_block_ids)
 
 
 @triton.jit
@@ -107,7 +106,7 @@ def _paged_prefill_kernel(
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                             max_query_len: int, scale: float, sliding_window: int | None = None,
-                            block_m: int = BLOCK_M, block_n: int | None = None, num_warps: int | None = None,
+                            block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                             num_stages: int | None = None) -> torch.Tensor:
     """Causal attention of packed ``query`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
@@ -136,8 +135,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q = max(1, block_m // group_pad)
-    config = kernel_config(query.dtype)
+    config = kernel_config(query.dtype, device_capability(query.device))
+    block_q = max(1, (block_m or config.prefill_block_m) // group_pad)  # query rows: tokens x group heads
     stages = {} if num_stages is None else {"num_stages": num_stages}
     _paged_prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
         out, query, k_cache, v_cache, block_tables, context_lens, query_start,
