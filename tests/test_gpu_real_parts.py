@@ -105,3 +105,22 @@ def test_victims_are_timed_alone_and_beside_a_decode_batch(tmp_path, monkeypatch
         assert all(v.recompute_seconds > 0 for v in run.victims)
         assert [r.context for r in run.returning] == [64]
     assert all(v.swap_seconds > 0 for v in alone.victims)  # alone, a swap's time is all its own
+
+
+def test_the_engine_part_writes_each_pass_as_it_ends_then_the_ratio(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    monkeypatch.setenv("KVLIB_SHAPES_DIR", str(tmp_path))
+    for name, value in (("REAL_SHAPES", ("tiny",)), ("ENGINE_REQUESTS", 6), ("ENGINE_SCALE", 0.05),
+                        ("ENGINE_SLOTS", 512)):
+        monkeypatch.setattr(gpu_real_parts, name, value)
+    out = Results(tmp_path / "r.jsonl", "real-engine")
+    assert gpu_real_parts.part_real_engine(out) is True
+    records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    passes = [r for r in records if r["figure"] == "engine output tokens/s"]
+    assert [r["stage"] for r in passes] == ["tuning"] + ["round 1"] * (len(passes) - 1)
+    assert {r["engine"].split(" ")[0] for r in passes} == {"kvlib", "transformers"}
+    assert all(r["ITL p50 s"] is not None and r["value"] > 0 for r in passes)
+    (ratio,) = [r for r in records if r["figure"] == "engine"]
+    kvlib = next(r["value"] for r in passes if r["engine"].startswith("kvlib"))
+    strongest = next(r["value"] for r in passes if r["engine"] == ratio["strongest"] and r["stage"] == "round 1")
+    assert ratio["value"] == pytest.approx(kvlib / strongest)

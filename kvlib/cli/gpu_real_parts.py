@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import gc
 import random
+import time
 from dataclasses import asdict
 
 import torch
@@ -49,7 +50,6 @@ def release() -> None:
 
 def part_shapes(out) -> bool:
     """Write every real-shape checkpoint (each part writes its own where it is missing; this times them)."""
-    import time
     for name in REAL_SHAPES:
         start = time.perf_counter()
         folder = shape_folder(name)
@@ -165,15 +165,18 @@ def part_real_engine(out) -> bool:
     from kvlib.cli.bench.engine_workload import make_workload
     for shape in REAL_SHAPES:
         requests = make_workload(ENGINE_REQUESTS, ENGINE_SCALE, ENGINE_RATE, SHAPES[shape].vocab_size)
-        report = compare(shape_folder(shape), requests, ENGINE_SLOTS, 16, rounds=1, caches=("dynamic",),
-                         compare_graphs=True, static_rows=row_caps(requests, ENGINE_SLOTS)[-STATIC_ROW_CAPS:])
-        for name, runs in report["runs"].items():
-            row = runs[0]
+        start = time.perf_counter()
+
+        def served(stage: str, name: str, row: dict) -> None:
             out.add("engine output tokens/s", row["output tokens/s"], "output tokens/s", shape=shape, engine=name,
+                    stage=stage, seconds_into_part=time.perf_counter() - start, requests=len(requests),
                     **{key: row.get(key) for key in ("TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s", "ITL note",
                                                      "E2E p50 s", "KV slots", "KV slots note", "dtype",
-                                                     "preemptions")},
-                    requests=len(requests), greedy_equal_kvlib=report["agree"].get(name))
+                                                     "preemptions")})
+        report = compare(shape_folder(shape), requests, ENGINE_SLOTS, 16, rounds=1, caches=("dynamic",),
+                         compare_graphs=True, static_rows=row_caps(requests, ENGINE_SLOTS)[-STATIC_ROW_CAPS:],
+                         served=served)
+        out.add("engine greedy agreement", report["agree"], "requests equal to kvlib's", shape=shape)
         strongest = report["paired"][report["strongest"]]["median"]
         out.add("engine", strongest, "x transformers' strongest", shape=shape, strongest=report["strongest"],
                 slots=report["slots"], tuning=report["tuning"])

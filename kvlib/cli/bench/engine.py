@@ -38,7 +38,7 @@ import argparse
 import statistics
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -166,11 +166,13 @@ def _spread(values: list[float]) -> dict:
 
 def compare(folder: Path, requests: list[Request], budget: int, block_size: int, rounds: int,
             placement: Placement | None = None, caches: tuple[str, ...] = ("dynamic", "static"),
-            compare_graphs: bool = False, static_rows: Optional[Sequence[int]] = None) -> dict:
+            compare_graphs: bool = False, static_rows: Optional[Sequence[int]] = None,
+            served: Optional[Callable[[str, str, Served], None]] = None) -> dict:
     """Tunes transformers' static batching, then serves the workload ``rounds`` times with every engine in turns.
     The tuning runs once per cache in ``caches`` and row cap in ``static_rows`` (default: every cap ``row_caps``
     finds), so a run on a time budget can try fewer. Returns the engines (their rows of every round), kvlib's paired
-    ratios against each baseline, the greedy agreement and the strongest baseline."""
+    ratios against each baseline, the greedy agreement and the strongest baseline. ``served(stage, engine name,
+    row)``, where given, hears of each pass as it ends (a run cut short by a time limit keeps what it had)."""
     placement = placement or Placement.auto()
     kvlib = KvlibServer(folder, budget, block_size, placement=placement)
     slots = kvlib.slots
@@ -181,7 +183,12 @@ def compare(folder: Path, requests: list[Request], budget: int, block_size: int,
                          f"got caches {list(caches)} and row caps {rows_tried}")
     model = load_transformers(folder, placement)
     tuning = [StaticBatches(model, slots, rows, cache, placement) for rows in rows_tried for cache in caches]
-    tuned = [(candidate, candidate.serve(requests)) for candidate in tuning]
+    def serve(engine, stage: str) -> Served:
+        row = engine.serve(requests)
+        if served is not None:
+            served(stage, engine.name, row)
+        return row
+    tuned = [(candidate, serve(candidate, "tuning")) for candidate in tuning]
     best_static = max(tuned, key=lambda pair: pair[1]["output tokens/s"])[0]
     engines = [kvlib, best_static] + ([PagedBatches(model, slots, block_size, kvlib.max_batch_tokens, placement)]
                                       if has_paged_batching(model) else [])
@@ -190,7 +197,7 @@ def compare(folder: Path, requests: list[Request], budget: int, block_size: int,
     runs = {engine.name: [] for engine in engines}
     for k in range(rounds):
         for engine in (engines if k % 2 == 0 else engines[::-1]):
-            runs[engine.name].append(engine.serve(requests))
+            runs[engine.name].append(serve(engine, f"round {k + 1}"))
     baselines = [e.name for e in engines if not isinstance(e, KvlibServer)]
     reference = runs[kvlib.name][0]["tokens"]
     paired = {name: _spread([a["output tokens/s"] / b["output tokens/s"] for a, b in zip(runs[kvlib.name], runs[name])])
