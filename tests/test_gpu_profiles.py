@@ -10,7 +10,7 @@ LLAMA3_8B = ModelShape.from_config(ModelConfig.from_dict(LLAMA3_8B_CONFIG))
 
 def test_every_profile_names_its_sources_and_every_assumption_says_why():
     profiles, assumptions = load_profiles()
-    assert {p.name.split()[0] for p in profiles} >= {"T4", "A100", "H100", "H200", "GH200"}
+    assert {p.name.split()[0] for p in profiles} >= {"T4", "L4", "A100", "H100", "H200", "GH200"}
     for p in profiles:
         assert p.fp16_dense_tflops > 0 and p.memory_gb_per_s > 0 and p.host_link_gb_per_s > 0
         assert any("datasheet" in s for s in p.sources), p.name

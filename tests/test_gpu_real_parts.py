@@ -8,9 +8,8 @@ import torch
 from kvlib import LLM, EngineConfig
 from kvlib.cli import gpu_real_parts
 from kvlib.cli.gpu_parts import Results
-from kvlib.cli.gpu_real_parts import agreeing_prefix, crossover, measured_runs_for
+from kvlib.cli.gpu_real_parts import agreeing_prefix, measured_runs_for
 from kvlib.cli.gpu_shapes import COMPLETE, SHAPES, shape_folder, write_checkpoint
-from kvlib.runner.cost_probe import VictimTiming
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "tiny"])
@@ -80,14 +79,6 @@ def test_agreeing_prefix():
     assert agreeing_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert agreeing_prefix([1, 2], [1, 2]) == 2
     assert agreeing_prefix([5], [1]) == 0
-
-
-def test_the_crossover_is_the_smallest_victim_swap_preempted_more_cheaply():
-    def victims(*pairs):
-        return [VictimTiming(n, n // 16, swap, recompute) for n, swap, recompute in pairs]
-    assert crossover(victims((16, 2.0, 1.0), (256, 2.0, 3.0), (4096, 5.0, 9.0))) == 256
-    assert crossover(victims((16, 2.0, 1.0), (256, 4.0, 3.0))) is None
-    assert crossover(victims((16, 0.5, 1.0))) == 16
 
 
 def test_victims_are_timed_alone_and_beside_a_decode_batch(tmp_path, monkeypatch):

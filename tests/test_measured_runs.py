@@ -1,11 +1,20 @@
-"""Recorded runs: the committed file loads, a run survives saving, and recording one works on this machine."""
+"""Recorded runs: the committed file loads, a run survives saving, recording one works on this machine, and the
+tables lessons and BENCHMARKS.md show from the file say what it holds."""
 import json
 import shutil
+from dataclasses import asdict
+from pathlib import Path
 
+import pytest
 import torch
 
 from kvlib.cli.commands import main
+from kvlib.core.cost_model import PreemptionCostModel
+from kvlib.course import measured_runs as mr
 from kvlib.course.measured_runs import RUNS_PATH, load_runs, measure_run, save_run
+from kvlib.runner.cost_probe import ReturningTiming, VictimTiming
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_committed_runs_load_and_are_dated_and_named():
@@ -35,3 +44,162 @@ def test_the_command_appends_to_the_file_it_is_given(tmp_path, monkeypatch, caps
     monkeypatch.setattr(measured_runs, "RETURNING_CONTEXTS", [16])
     main(["record-run", "--name", "command test", "--model", "default", "--file", str(path)])
     assert load_runs(path)[-1].name == "command test" and "recorded 'command test'" in capsys.readouterr().out
+
+
+# The tables lessons 03, 07 and 09 and BENCHMARKS.md show, built from data made here, so each answer is known.
+
+
+def made_up_run(costs: dict[int, tuple[float, float]], batch: int = 32, returning=()) -> mr.MeasuredRun:
+    """A run whose victims cost ``{tokens: (swap s, recompute s)}``."""
+    cost = PreemptionCostModel(host_link_bytes_per_s=5e10, prefill_tokens_per_s=1e5, floor_seconds=1e-3)
+    return mr.MeasuredRun(
+        name="made up", date="2026-12-05", device="NVIDIA L4", model="llama-3.1-8b-shaped (random bfloat16 weights)",
+        dtype="bfloat16", block_size=16, block_bytes=2 << 20, threads=8, torch_version="2.0", cost_model=cost,
+        batch=batch, victims=[VictimTiming(n, -(-n // 16), s, r) for n, (s, r) in costs.items()], new_tokens=40,
+        returning=[ReturningTiming(*t) for t in returning])
+
+
+@pytest.mark.parametrize("costs, first", [
+    ({16: (2.0, 1.0), 64: (2.0, 3.0), 256: (2.0, 9.0)}, 64),
+    ({256: (2.0, 9.0), 16: (2.0, 1.0), 64: (2.0, 1.5)}, 256),  # out of order
+    ({16: (2.0, 1.0), 64: (2.0, 1.9)}, None),
+    ({16: (0.5, 1.0)}, 16),
+    ({16: (0.5, None)}, None),  # a recompute not clear of zero is the cheaper way
+    ({16: (0.0, -0.5), 64: (0.0, 1.0)}, 64),  # a swap hidden behind the decode pass costs nothing
+])
+def test_the_crossover_is_the_smallest_victim_that_swapped_cheaper(costs, first):
+    run = made_up_run(costs)
+    assert mr.crossover(run) == first
+    expected = {n: mr.HIDDEN if s <= 0 and (r is None or r <= 0) else "swap" if r is not None and s < r
+                else "recompute" for n, (s, r) in costs.items()}
+    assert {row["victim tokens"]: row["cheaper"] for row in mr.victim_rows(run)} == expected
+
+
+def test_the_crossover_sentence_says_what_the_victims_measured():
+    assert mr.crossover_sentence(made_up_run({16: (2.0, 1.0), 4096: (2.0, 1.5)})) == \
+        "recompute was cheaper at every length measured, up to 4,096 tokens"
+    assert mr.crossover_sentence(made_up_run({16: (2.0, 1.0), 1024: (2.0, 3.0), 16384: (2.0, 30.0)})) == \
+        "recompute was cheaper below 1,024 tokens, swap from 1,024 up to 16,384 tokens, the longest measured"
+    assert mr.crossover_sentence(made_up_run({16: (2.0, 1.0), 64: (2.0, 3.0), 256: (2.0, 1.0)})) == \
+        "swap was first cheaper at 64 tokens, but not at every longer one (recompute at 256)"
+    assert mr.crossover_sentence(made_up_run({16: (0.0, -1.0), 64: (0.0, -0.5), 256: (0.2, 1.4)})) == \
+        "swap at 256 tokens, the longest measured; below that, neither: both hidden at 16, 64"
+    assert mr.crossover_sentence(made_up_run({16: (0.0, -1.0), 64: (1.0, 0.5)})) == \
+        "swap was cheaper at no length measured, up to 64 tokens (neither: both hidden at 16; recompute at 64)"
+    assert mr.crossover_sentence(made_up_run({16: (1.0, 2.0), 64: (1.0, 3.0)})) == \
+        "swap was cheaper at every length measured, 16 to 64 tokens"
+
+
+def test_victim_rows_carry_the_times_in_milliseconds():
+    rows = mr.victim_rows(made_up_run({64: (0.002, 0.0005)}))
+    assert rows == [{"victim tokens": 64, "swap ms": pytest.approx(2.0), "recompute ms": pytest.approx(0.5),
+                     "cheaper": "recompute"}]
+
+
+def test_returning_turns_name_where_copying_back_first_won():
+    run = made_up_run({16: (1.0, 2.0)}, returning=[(1024, 3.0, 2.0), (256, 1.0, 2.0), (4096, 9.0, 4.0)])
+    assert [r["cheaper"] for r in mr.returning_rows(run)] == ["copy back", "recompute", "copy back"]
+    assert mr.returning_sentence(run) == "copying back was first cheaper at 1,024 tokens of context (timed up to 4,096)"
+    never = made_up_run({16: (1.0, 2.0)}, returning=[(256, 1.0, 2.0)])
+    assert mr.returning_sentence(never) == "recomputing was cheaper at every context timed, up to 256 tokens"
+
+
+def test_a_run_label_names_device_shape_batch_block_size_and_date():
+    run = made_up_run({16: (1.0, 2.0)}, batch=0)
+    label = mr.run_label(run)
+    for part in (run.device, run.model, run.dtype, "no decode batch", f"blocks of {run.block_size}", run.date):
+        assert part in label
+    assert "decode batch of 32" in mr.run_label(made_up_run({16: (1.0, 2.0)}))
+    assert "the built-in model" in mr.run_label(mr.MeasuredRun(**{**run.__dict__, "model": "default"}))
+
+
+def made_up_check(figures: list[dict], device: str = "NVIDIA A100-SXM4-80GB", capability: str = "8.0") -> dict:
+    return {"preflight": {"kind": "preflight", "date": "2026-12-06T10:00:00+00:00", "device": device,
+                          "capability": capability, "torch": "2.5", "cuda": "12.4", "triton": "3.1", "python": "3.11"},
+            "parts": [], "figures": figures, "errors": [],
+            "targets": [{"target": "t", "value": None, "met": None}, {"target": "u", "value": 1.5, "met": False}]}
+
+
+DECODE = {"kind": "figure", "part": "decode", "figure": "decode bandwidth", "value": 61.5, "unit": "% of HBM peak",
+          "dtype": "bfloat16", "shape": "8 x 2,048", "kernel": "triton paged", "splits": 1, "block_n": 64,
+          "gbps": 1254.6}
+SWAP = {"kind": "figure", "part": "swap", "figure": "swap", "value": 90.0, "unit": "% of a pinned contiguous copy",
+        "direction": "in", "host_blocks": "scattered", "block_size": 16, "block_kib": 2048.0, "gbps": 22.5,
+        "contiguous_gbps": 25.0}
+
+
+def test_decode_rows_label_every_figure_and_survive_a_missing_kind():
+    checks = [made_up_check([DECODE, {**DECODE, "block_size": 32, "value": 70.0}]),
+              made_up_check([SWAP], "NVIDIA L4", "8.9")]
+    rows = mr.gpu_decode_rows(checks)
+    assert [(r["% of HBM peak"], r["block size"]) for r in rows] == [(61.5, mr.DECODE_BENCH["block_size"]), (70.0, 32)]
+    assert all(r["device, date"] == "NVIDIA A100-SXM4-80GB (sm_80), 2026-12-06" and r["batch x context"] == "8 x 2,048"
+               for r in rows)
+    assert [r["device, date"] for r in mr.gpu_swap_rows(checks)] == ["NVIDIA L4 (sm_89), 2026-12-06"]
+    assert mr.gpu_decode_rows([made_up_check([SWAP])]) == [] and mr.gpu_decode_rows([]) == []
+    assert [r["met"] for r in mr.target_rows(checks[:1])] == ["not measured", "not met"]
+
+
+def test_the_gpu_markdown_shows_what_the_file_holds(tmp_path):
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"about": "", "runs": []}))
+    assert "No GPU run is recorded yet" in mr.gpu_markdown(path)
+    run = made_up_run({16: (2.0, 1.0), 64: (2.0, 3.0)})
+    path.write_text(json.dumps({"about": "", "runs": [asdict(run)], "gpu_checks": [made_up_check([DECODE])]}))
+    text = mr.gpu_markdown(path)
+    assert mr.run_label(run) in text and mr.crossover_sentence(run) in text
+    assert "| NVIDIA A100-SXM4-80GB (sm_80), 2026-12-06 | bfloat16 | 8 x 2,048 |" in text
+    assert "### Swap" not in text  # no swap figure recorded, no swap table
+    assert [line for line in text.splitlines() if line.startswith("## ")] == [mr.GPU_HEADING]
+
+
+def test_benchmarks_md_holds_the_gpu_section_the_committed_file_writes():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert mr.GPU_HEADING in text, "BENCHMARKS.md has no GPU section: paste kvlib.course.measured_runs.gpu_markdown()"
+    start = text.index(mr.GPU_HEADING)
+    end = text.find("\n## ", start + 1)
+    section = text[start:] if end < 0 else text[start:end + 1]
+    assert section.rstrip("\n") == mr.gpu_markdown().rstrip("\n"), \
+        "BENCHMARKS.md's GPU section is out of date: replace it with kvlib.course.measured_runs.gpu_markdown()"
+
+
+def test_the_committed_gpu_checks_are_labelled_with_device_and_date():
+    for check in mr.load_gpu_checks():
+        assert check["preflight"]["device"] and check["preflight"]["date"][:2] == "20"
+        assert check["preflight"]["device"] in mr.check_label(check)
+
+
+def test_victim_ratios_leave_out_what_a_log_plot_cannot_show():
+    run = made_up_run({16: (2.0, 1.0), 64: (0.0, 3.0), 256: (2.0, None), 1024: (4.0, -0.1), 4096: (1.0, 3.0)})
+    assert mr.victim_ratios(run) == [(16, 0.5), (4096, 3.0)]
+
+
+def test_only_a_triton_kernel_has_a_tile_length():
+    checks = [made_up_check([DECODE, {**DECODE, "kernel": "torch sdpa, contiguous", "splits": None}])]
+    assert [(r["BLOCK_N"], r["splits"]) for r in mr.gpu_decode_rows(checks)] == [(64, 1), ("-", "-")]
+
+
+def test_a_measured_shape_on_a_gpu_replaces_its_modelled_line():
+    run = made_up_run({16: (1.0, 2.0)})  # an L4, llama-3.1-8b-shaped
+    assert mr.has_measurement("L4", "Llama-3-8B", [run])
+    assert not mr.has_measurement("L4", "SmolLM2-135M", [run])
+    assert not mr.has_measurement("T4", "Llama-3-8B", [run])
+    h200 = mr.MeasuredRun(**{**run.__dict__, "device": "NVIDIA GH200 480GB"})
+    assert not mr.has_measurement("H200 SXM 141GB", "Llama-3-8B", [h200])
+    assert mr.has_measurement("GH200 144GB", "Llama-3-8B", [h200])
+    small = mr.MeasuredRun(**{**run.__dict__, "model": "llama-3.2-1b-shaped (random bfloat16 weights)"})
+    assert not mr.has_measurement("L4", "Llama-3-8B", [small]) and not mr.has_measurement("L4", "Llama-3-8B", [])
+
+
+def test_a_decode_sweep_shows_its_graph_replayed_figures_beside_the_first_bench():
+    sweep = {"kind": "figure", "part": "decode", "figure": "decode sweep", "value": 88.0, "shape": "32 x 4,096",
+             "variant": "2 splits, BLOCK_N 32 (the rule's count)", "splits": 2, "block_n": 32, "graph GB/s": 4224.0,
+             "eager GB/s": 3000.0}
+    sdpa = {**sweep, "variant": "torch sdpa, contiguous", "splits": None, "block_n": None, "value": 80.0}
+    failed = {"kind": "figure", "part": "decode", "figure": "decode sweep", "value": None, "shape": "1 x 32,768",
+              "variant": "BLOCK_N 128", "error": "OutOfResources: shared memory"}
+    rows = mr.gpu_decode_rows([made_up_check([sweep, sdpa, failed, DECODE])])
+    assert [(r["kernel"], r["timed"], r["GB/s"], r["BLOCK_N"], r["dtype"]) for r in rows] == [
+        ("triton paged", "eager", 1254.6, 64, "bfloat16"),
+        (sweep["variant"], "graph-replayed", 4224.0, 32, mr.DECODE_BENCH["dtype"]),
+        ("torch sdpa, contiguous", "graph-replayed", 4224.0, "-", mr.DECODE_BENCH["dtype"])]

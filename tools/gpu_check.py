@@ -50,22 +50,22 @@ class Part:
     what: str
 
 
-PARTS = [  # in order of value: what the course and BENCHMARKS.md wait for first
+PARTS = [  # in order of value; limits from the H200 run of 2026-12-04 on a fresh machine (compiling everything)
     Part("shapes", 40, "random-weight checkpoints of Llama-3.2-1B's and Llama-3-8B's shapes, written on the device"),
-    Part("real-tokens", 35, "1B-shaped greedy tokens against transformers on the same weights, float32 and bfloat16"),
-    Part("crossover", 55, "victims of 16 to 16,384 tokens swapped and recomputed for real, alone and beside decode, "
+    Part("real-tokens", 45, "1B-shaped greedy tokens against transformers on the same weights, float32 and bfloat16"),
+    Part("crossover", 65, "victims of 16 to 16,384 tokens swapped and recomputed for real, alone and beside decode, "
                           "per shape; the cost model auto mode measures"),
-    Part("real-engine", 100, "kvlib, graphs on and off, against transformers' strongest batching at the same KV "
+    Part("real-engine", 124, "kvlib, graphs on and off, against transformers' strongest batching at the same KV "
                              "slots, per shape: output tok/s, TTFT, inter-token p50/p99"),
     Part("preemption", 50, "1B shape: recompute, swap, auto and partial preemption in a pool a third the size "
                            "needed, against one that holds it all"),
-    Part("decode", 60, "decode bandwidth against HBM peak per shape, split counts and tunings, eager and "
+    Part("decode", 30, "decode bandwidth against HBM peak per shape, split counts and tunings, eager and "
                        "graph-replayed, against torch SDPA over a contiguous cache"),
-    Part("swap", 25, "swap, staged and direct, at several block sizes against a pinned contiguous copy, both ways"),
-    Part("prefill", 20, "chunked-prefill attention in TFLOP/s per tuning against SDPA's fused path"),
-    Part("engine", 35, "built-in model: token-exact greedy vs the torch engine and transformers; swap, host tier, "
+    Part("swap", 35, "swap, staged and direct, at several block sizes against a pinned contiguous copy, both ways"),
+    Part("prefill", 18, "chunked-prefill attention in TFLOP/s per tuning against SDPA's fused path"),
+    Part("engine", 32, "built-in model: token-exact greedy vs the torch engine and transformers; swap, host tier, "
                        "n > 1; synchronizations per step; memory profile; pinned bytes; swap time"),
-    Part("graph-split", 12, "decode graphs: real contexts under a 131,072-token bound against their own"),
+    Part("graph-split", 8, "decode graphs: real contexts under a 131,072-token bound against their own"),
     Part("kernel-tests", 50, "compiled kernel tests, at most 10 failures reported"),
 ]
 

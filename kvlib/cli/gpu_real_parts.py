@@ -114,11 +114,6 @@ def part_real_tokens(out) -> bool:
     return equal
 
 
-def crossover(victims) -> int | None:
-    """The smallest victim that swapping preempted more cheaply than recomputing, None if none did."""
-    return next((v.num_tokens for v in victims if v.swap_seconds < v.recompute_seconds), None)
-
-
 def measured_runs_for(shape: str, runner, cost_model, dtype: torch.dtype, victim_lengths=VICTIM_LENGTHS,
                       contexts=RETURNING_CONTEXTS, beside=(BESIDE_BATCH, BESIDE_CONTEXT)) -> list:
     """Two runs in ``runner``'s pools: victims both ways alone, then beside a decode batch of ``beside`` (sequences,
@@ -143,6 +138,7 @@ def measured_runs_for(shape: str, runner, cost_model, dtype: torch.dtype, victim
 def part_crossover(out) -> bool:
     """Per shape: the engine's cost model as auto mode measures it, then victims and returning turns both ways."""
     from kvlib import LLM, EngineConfig
+    from kvlib.course.measured_runs import crossover
     for shape in REAL_SHAPES:
         longest = max(VICTIM_LENGTHS + RETURNING_CONTEXTS) + NEW_TOKENS
         blocks = 2 * -(-longest // 16) + 64
@@ -152,7 +148,7 @@ def part_crossover(out) -> bool:
         for run in measured_runs_for(shape, engine.runner, engine.cost_model, engine.dtype, VICTIM_LENGTHS,
                                      RETURNING_CONTEXTS, (BESIDE_BATCH, BESIDE_CONTEXT)):
             out.write({"kind": "measured_run", "part": out.part, "run": asdict(run)})
-            out.add("swap beats recompute from", crossover(run.victims), "tokens", shape=shape, batch=run.batch,
+            out.add("swap beats recompute from", crossover(run), "tokens", shape=shape, batch=run.batch,
                     victims=[asdict(v) for v in run.victims])
         del llm, engine
         release()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -106,3 +107,253 @@ def import_gpu_check(results_path: Path, path: Path = RUNS_PATH) -> int:
         "errors": kinds["error"], "targets": targets(records)})
     Path(path).write_text(json.dumps(raw, indent=2) + "\n")
     return len(runs)
+
+
+# What a recorded figure means, for every place that shows one (lessons 03, 07 and 09, BENCHMARKS.md).
+
+MODEL_NAMES = {"default": "the built-in model"}
+# The decode bench (``kvlib bench kernels``) of the first GPU check did not record its block size or heads:
+# these are its constants then; a figure that records them overrides them.
+DECODE_BENCH = {"block_size": 16, "heads": "32 query heads over 8 KV heads of 128", "dtype": "bfloat16"}
+
+
+def model_name(model: str) -> str:
+    return MODEL_NAMES.get(model, model)
+
+
+def run_label(run: MeasuredRun) -> str:
+    """Device, shape (model, dtype, the decode batch a victim joins, block size) and date: a recorded run's
+    figures are only comparable with that said beside them."""
+    batch = f"decode batch of {run.batch}" if run.batch else "no decode batch"
+    return f"{run.device}, {model_name(run.model)} in {run.dtype}, {batch}, blocks of {run.block_size}, {run.date}"
+
+
+def model_key(model: str) -> tuple[str, str | None]:
+    """A model's family and size ("llama", "8b"): Llama-3-8B and a llama-3.1-8b-shaped run share their shapes."""
+    name = model.lower()
+    family = re.match(r"[a-z]*", name).group()
+    size = re.search(r"(\d+(?:\.\d+)?[bm])(?![a-z])", name)
+    return family, size.group(1) if size else None
+
+
+def has_measurement(gpu: str, model: str, runs: list[MeasuredRun]) -> bool:
+    """Whether a recorded run measured ``model``'s shape on ``gpu`` (a profile's name, "H200 SXM 141GB"): a lesson
+    then shows the measurement instead of the line modelled from published peaks."""
+    chip = re.escape(gpu.split()[0].upper())
+    return any(re.search(rf"\b{chip}\b", run.device.upper()) and model_key(run.model) == model_key(model)
+               for run in runs)
+
+
+HIDDEN = "neither: both hidden"  # no cost clear of zero either way, as beside a decode pass that hides them
+
+
+def cheaper(swap_seconds: float, recompute_seconds: float | None) -> str:
+    """The cheaper way to preempt. A recompute too small to tell from zero (None, or at most 0) costs nothing; so
+    does a swap of 0 (hidden behind the decode pass): with both at nothing, neither is cheaper."""
+    recompute = 0.0 if recompute_seconds is None else max(recompute_seconds, 0.0)
+    if swap_seconds <= 0 and recompute == 0:
+        return HIDDEN
+    return "swap" if swap_seconds < recompute else "recompute"
+
+
+def victim_rows(run: MeasuredRun) -> list[dict]:
+    """One row per victim the run preempted both ways: what each way cost, and which was cheaper."""
+    return [{"victim tokens": v.num_tokens, "swap ms": v.swap_seconds * 1e3,
+             "recompute ms": None if v.recompute_seconds is None else v.recompute_seconds * 1e3,
+             "cheaper": cheaper(v.swap_seconds, v.recompute_seconds)} for v in run.victims]
+
+
+def crossover(run: MeasuredRun) -> int | None:
+    """The smallest victim (tokens) that swapping preempted more cheaply than recomputing; None if none."""
+    return next((v.num_tokens for v in sorted(run.victims, key=lambda v: v.num_tokens)
+                 if cheaper(v.swap_seconds, v.recompute_seconds) == "swap"), None)
+
+
+def at_lengths(victims: list[VictimTiming]) -> str:
+    """``"recompute at 16, 64; neither: both hidden at 256"``: which way won at which lengths, in order."""
+    groups: dict[str, list[str]] = {}
+    for v in victims:
+        groups.setdefault(cheaper(v.swap_seconds, v.recompute_seconds), []).append(f"{v.num_tokens:,}")
+    return "; ".join(f"{way} at {', '.join(lengths)}" for way, lengths in groups.items())
+
+
+def crossover_sentence(run: MeasuredRun) -> str:
+    """What the measured victims say about swap or recompute, from their numbers, never typed by hand."""
+    victims = sorted(run.victims, key=lambda v: v.num_tokens)
+    if not victims:
+        return "no victims measured"
+    first, longest = crossover(run), victims[-1].num_tokens
+    ways = [cheaper(v.swap_seconds, v.recompute_seconds) for v in victims]
+    if first is None:
+        if set(ways) == {"recompute"}:
+            return f"recompute was cheaper at every length measured, up to {longest:,} tokens"
+        return f"swap was cheaper at no length measured, up to {longest:,} tokens ({at_lengths(victims)})"
+    below = [v for v in victims if v.num_tokens < first]
+    after = [v for v in victims if v.num_tokens > first]
+    if any(cheaper(v.swap_seconds, v.recompute_seconds) != "swap" for v in after):
+        return f"swap was first cheaper at {first:,} tokens, but not at every longer one ({at_lengths(after)})"
+    swapped = (f"swap from {first:,} up to {longest:,} tokens, the longest measured" if first != longest
+               else f"swap at {first:,} tokens, the longest measured")
+    if not below:
+        return f"swap was cheaper at every length measured, {first:,} to {longest:,} tokens"
+    if all(cheaper(v.swap_seconds, v.recompute_seconds) == "recompute" for v in below):
+        return f"recompute was cheaper below {first:,} tokens, {swapped}"
+    return f"{swapped}; below that, {at_lengths(below)}"
+
+
+def victim_ratios(run: MeasuredRun) -> list[tuple[int, float]]:
+    """``(tokens, recompute / swap)`` per victim, for a log plot: victims with a cost of 0 either way (a swap hidden
+    behind the decode pass, a recompute not clear of zero) have no ratio to plot and are left out."""
+    return [(v.num_tokens, v.recompute_seconds / v.swap_seconds) for v in run.victims
+            if v.swap_seconds > 0 and v.recompute_seconds is not None and v.recompute_seconds > 0]
+
+
+def returning_rows(run: MeasuredRun) -> list[dict]:
+    """One row per returning turn the run timed both ways (lesson 09's question)."""
+    return [{"context tokens": t.context, "recompute ms": t.recompute_seconds * 1e3,
+             "copy back ms": t.copy_back_seconds * 1e3,
+             "cheaper": "copy back" if t.copy_back_seconds < t.recompute_seconds else "recompute"}
+            for t in run.returning]
+
+
+def returning_sentence(run: MeasuredRun) -> str:
+    """Where copying a returning conversation back first beat recomputing it, from the timed turns."""
+    rows = sorted(returning_rows(run), key=lambda r: r["context tokens"])
+    if not rows:
+        return "no returning turns timed"
+    first = next((r["context tokens"] for r in rows if r["cheaper"] == "copy back"), None)
+    if first is None:
+        return f"recomputing was cheaper at every context timed, up to {rows[-1]['context tokens']:,} tokens"
+    return f"copying back was first cheaper at {first:,} tokens of context (timed up to {rows[-1]['context tokens']:,})"
+
+
+def load_gpu_checks(path: Path = RUNS_PATH) -> list[dict]:
+    """Every GPU check recorded, oldest first: preflight, parts, figures, errors and targets."""
+    return json.loads(Path(path).read_text()).get("gpu_checks", [])
+
+
+def check_label(check: dict) -> str:
+    """The device and date of a GPU check, as every figure of it is labelled."""
+    preflight = check["preflight"]
+    capability = f" (sm_{preflight['capability'].replace('.', '')})" if preflight.get("capability") else ""
+    return f"{preflight['device']}{capability}, {preflight['date'][:10]}"
+
+
+def figures(check: dict, name: str) -> list[dict]:
+    return [f for f in check.get("figures", []) if f.get("figure") == name]
+
+
+DECODE_FIGURES = ("decode bandwidth", "decode sweep")  # the first check's bench, then the sweep over tunings
+
+
+def tile_length(figure: dict):
+    """A Triton kernel's ``BLOCK_N``; torch's SDPA has none of its own, whatever the run set for Triton."""
+    return "-" if str(decode_kernel(figure)).startswith("torch") else figure.get("block_n") or "-"
+
+
+def decode_kernel(figure: dict) -> str:
+    return figure.get("variant", figure.get("kernel"))
+
+
+def decode_row(check: dict, figure: dict) -> dict:
+    """One decode figure, labelled: a sweep's figures were replayed from a CUDA graph, the first bench's were not."""
+    sweep = figure["figure"] == "decode sweep"
+    return {"device, date": check_label(check), "dtype": figure.get("dtype", DECODE_BENCH["dtype"]),
+            "batch x context": figure["shape"], "block size": figure.get("block_size", DECODE_BENCH["block_size"]),
+            "heads": figure.get("heads", DECODE_BENCH["heads"]), "kernel": decode_kernel(figure),
+            "splits": figure.get("splits") or "-", "BLOCK_N": tile_length(figure),
+            "timed": "graph-replayed" if sweep else "eager",
+            "GB/s": figure.get("graph GB/s" if sweep else "gbps"), "% of HBM peak": figure.get("value")}
+
+
+def gpu_decode_rows(checks: list[dict]) -> list[dict]:
+    """Every recorded decode-bandwidth figure, labelled with its device, date, shape and kernel (a variant the
+    device could not run, which records an error and no figure, is left out)."""
+    return [decode_row(check, f) for check in checks for name in DECODE_FIGURES for f in figures(check, name)
+            if "error" not in f]
+
+
+def gpu_swap_rows(checks: list[dict]) -> list[dict]:
+    """Every recorded swap figure: scattered blocks against one pinned contiguous copy of the same bytes."""
+    return [{"device, date": check_label(check), "direction": f["direction"], "host blocks": f["host_blocks"],
+             "block": f"{f['block_size']} tokens, {f['block_kib']:g} KiB", "GB/s": f["gbps"],
+             "contiguous GB/s": f["contiguous_gbps"], "% of contiguous": f["value"]}
+            for check in checks for f in figures(check, "swap")]
+
+
+def figure_shape(figure: dict) -> str:
+    """The shape a figure was measured at, from the fields it recorded."""
+    if "shape" in figure:
+        return str(figure["shape"]) + (f", batch {figure['batch']}" if "batch" in figure else "")
+    if "batch" in figure and "context" in figure:
+        bound = f" under a {figure['bound']:,} bound" if "bound" in figure else ""
+        return f"{figure['batch']} x {figure['context']:,}{bound}"
+    if "asked_bytes" in figure:
+        return f"a host pool of {figure['asked_bytes']:,} bytes"
+    if figure.get("part") in ("engine", "throughput"):
+        return "the built-in model"
+    return "-"
+
+
+def gpu_other_rows(checks: list[dict]) -> list[dict]:
+    """The figures that are neither decode nor swap, each with its shape and unit."""
+    return [{"device, date": check_label(check), "figure": f["figure"], "shape": figure_shape(f),
+             "value": f["value"], "unit": f["unit"]}
+            for check in checks for f in check.get("figures", [])
+            if f.get("figure") not in (*DECODE_FIGURES, "swap")]
+
+
+def target_rows(checks: list[dict]) -> list[dict]:
+    """Each check's targets as it stated them that day: met, not met, or not measured."""
+    said = {True: "met", False: "not met", None: "not measured"}
+    return [{"device, date": check_label(check), "target": t["target"],
+             "value": "-" if t["value"] is None else t["value"], "met": said[t["met"]]}
+            for check in checks for t in check.get("targets", [])]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """A GitHub table of ``rows``, floats to 3 significant figures (2 decimals from 100 up)."""
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:,.2f}" if abs(value) >= 100 else f"{value:.3g}"
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"{value:,}"
+        return "-" if value is None else str(value)
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+GPU_HEADING = "## GPU (measured, `kvlib/course/data/measured_costs.json`)"
+
+
+def gpu_markdown(path: Path = RUNS_PATH) -> str:
+    """BENCHMARKS.md's GPU section, written from the recorded checks and runs so that it cannot drift from them."""
+    checks, runs = load_gpu_checks(path), load_runs(path)
+    parts = [GPU_HEADING, "",
+             "Written by `kvlib.course.measured_runs.gpu_markdown()` from the committed file; "
+             "`tests/test_measured_runs.py` checks that this section is what it writes. Every row names its device "
+             "and date, and its shape."]
+    if not checks and not runs:
+        return "\n".join(parts + ["", "No GPU run is recorded yet."]) + "\n"
+    for check in checks:
+        p = check["preflight"]
+        parts += ["", f"GPU check on {check_label(check)}: torch {p['torch']}, CUDA {p['cuda']}, Triton {p['triton']}, "
+                      f"Python {p['python']}."]
+    sections = [("Targets, as each check stated them that day", target_rows(checks)),
+                ("Decode bandwidth (`kvlib bench kernels`, one layer's paged K/V, random data)",
+                 gpu_decode_rows(checks)),
+                ("Swap: scattered blocks against one pinned contiguous copy (`kvlib bench swap`)",
+                 gpu_swap_rows(checks)),
+                ("Other figures", gpu_other_rows(checks))]
+    for title, rows in sections:
+        if rows:
+            parts += ["", f"### {title}", "", markdown_table(rows)]
+    for run in runs:
+        parts += ["", f"### Victims both ways: {run_label(run)}", "", markdown_table(victim_rows(run)), "",
+                  f"Measured: {crossover_sentence(run)}."]
+        if run.returning:
+            parts += ["", markdown_table(returning_rows(run)), "",
+                      f"Returning turns of {run.new_tokens} new tokens: {returning_sentence(run)}."]
+    return "\n".join(parts) + "\n"
