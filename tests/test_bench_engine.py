@@ -199,6 +199,7 @@ def test_the_command_prints_the_headline(checkpoint, capsys):
     assert "the strongest baseline" in out and "medians of 1 interleaved rounds" in out and "256 KV token slots" in out
     assert "ITL p50 s" in out and "ITL p99 s" in out
     assert "static batches of <= 1," in out and "static batches of <= 2," not in out  # only the row caps asked for
+    assert "one row cap and one cache asked for, so nothing to tune" in out  # no tuning pass for a single candidate
 
 
 def test_a_tuning_with_nothing_to_try_is_refused(checkpoint):
