@@ -136,6 +136,20 @@ def test_lab09_a_design_over_counter_deltas_gets_full_marks():
     assert lab09.check_engine(CounterDeltas).full_marks
 
 
+class SlottedCounterDeltas:
+    """CounterDeltas with ``__slots__``: the protocol asks only for ``observe``, so the harness may set nothing on
+    a detector."""
+
+    __slots__ = ("threshold", "marks", "warned")
+    __init__, observe = CounterDeltas.__init__, CounterDeltas.observe
+
+
+def test_lab09_a_detector_with_slots_gets_full_marks():
+    assert not hasattr(SlottedCounterDeltas(), "__dict__")
+    assert lab09.check_detector(SlottedCounterDeltas).full_marks
+    assert lab09.check_engine(SlottedCounterDeltas).full_marks
+
+
 def test_lab09_the_whole_run_average_misses_a_late_onset_only():
     assert _failed(lab09.check_detector(WholeRun), lab09.check_engine(WholeRun)) == [
         "judges_recent_requests", "warns_on_late_onset"]

@@ -71,10 +71,15 @@ class Watched:
 
 
 class _Tape:
-    """A detector that never warns and records every state of the metrics it is shown, to replay to others."""
+    """A detector that never warns and records every state of the metrics it is shown, to replay to others;
+    ``clock[0]`` is the step it is shown them at (the harness's counter, so nothing is set on a detector)."""
 
-    def __init__(self):
-        self.entries, self.step, self.requests, self.steps = [], 0, 0, 0
+    def __init__(self, clock: list[int]):
+        self.clock, self.entries, self.requests, self.steps = clock, [], 0, 0
+
+    @property
+    def step(self) -> int:
+        return self.clock[0]
 
     def observe(self, metrics):
         from dataclasses import fields
@@ -92,11 +97,11 @@ def serve_watched(detector, config: dict, arrivals: list[Arrival], max_steps: in
 
     from kvlib import LLM, EngineConfig
 
-    inner, warnings, step = detector if detector is not None else _Tape(), [], [0]
+    step, warnings = [0], []
+    inner = detector if detector is not None else _Tape(step)
 
     class Recording:
         def observe(self, metrics):
-            inner.step = step[0]
             answer = inner.observe(metrics)
             warnings.extend([(metrics.num_finished, step[0], answer)] if answer else [])
             return answer
