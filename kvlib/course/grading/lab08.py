@@ -20,6 +20,7 @@ from kvlib.course.grading.checks import Task, close, expect, same
 from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.runner import cost_probe
 
+TIMING = ("kvlib.runner.cost_probe:best_in_turns", "kvlib.course.timing:compare")  # the lessons' rounds: a twin
 FITS = ("kvlib.runner.cost_probe:fit_copy", "kvlib.runner.cost_probe:ForwardTimings.fit", f"{__name__}:_reference_fit_forward")
 CHOICE = ("kvlib.core.cost_model:PreemptionCostModel.choose", "kvlib.core.cost_model:PreemptionCostModel.recompute_range",
           "kvlib.core.preemption:LatestArrivalPolicy.choose_mode")
@@ -52,7 +53,7 @@ class _CostPolicy(LatestArrivalPolicy):  # kvlib's choice, asking no swap the ho
         return super().choose_mode(victim, ctx) if ctx.host_free_blocks >= ctx.num_host_blocks else "recompute"
 
 
-measure = Task("measure", ("best_in_turns",), ("kvlib.runner.cost_probe:best_in_turns",), lambda: _kvlibs_timing)
+measure = Task("measure", ("best_in_turns",), TIMING, lambda: _kvlibs_timing)
 fit_swap = Task("fit_swap", ("fit_copy",), FITS, lambda: _kvlibs_copy_fit)
 fit_recompute = Task("fit_recompute", ("fit_forward",), FITS, lambda: _reference_fit_forward)
 choose_mode = Task("choose_mode", ("MyCostPolicy",), CHOICE, lambda: _CostPolicy)
