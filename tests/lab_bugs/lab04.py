@@ -29,6 +29,14 @@ BUGS = [
         ("                if not self.bm.can_admit(seq, hits, end, use_watermark):\n                    break\n",
          "                if not self.bm.can_admit(seq, hits, end, use_watermark):\n                    continue\n")],
         "schedule_waiting/nobody_overtakes"),
+    bug("a waiting sequence that does not fit is skipped, so a newer one is admitted first", [
+        ("                if not self.bm.can_admit(seq, hits, end, use_watermark):\n                    break\n",
+         "                if not self.bm.can_admit(seq, hits, end, use_watermark):\n                    continue\n")],
+        "schedule_waiting/nobody_overtakes"),
+    bug("a swapped sequence that does not fit is skipped, so a newer one overtakes it", [
+        ("                if not self.bm.can_swap_in(seq, end, use_watermark):\n                    break\n",
+         "                if not self.bm.can_swap_in(seq, end, use_watermark):\n                    continue\n")],
+        "schedule_waiting/nobody_overtakes"),
     bug("max_num_seqs counts sequences, not the samples they will fork", [
         ("self.running_slots + seq.num_slots > self.config.max_num_seqs",
          "len(self.running) + 1 > self.config.max_num_seqs")],

@@ -95,6 +95,14 @@ def _swapped(w_length: int, *w_arrival: float) -> Callable:
                         [(1, "o", 12, 10, 1), (1, "s", 12, 6, 1), (3, "w", w_length, 3, 1, *w_arrival)])
 
 
+def _overtaken(rng):
+    """_swapped(4) (w may not pass s, swapped out and waiting for room), then a long prompt l and a short one v
+    added together at step 11, served in that order: a skip in either queue lets a newer sequence through (a
+    skip in the waiting queue alone was caught only by the watermark checks before)."""
+    config, requests = _swapped(4)(rng)
+    return config, requests + [(11, "l", rng.randint(17, 20), 2, 1), (11, "v", rng.randint(2, 4), 2, 1)]
+
+
 def _prefix_hits(rng):
     shared = tuple(rng.randrange(3, 128) for _ in range(12))
     fresh = [rng.randrange(128, 253) for _ in range(12)]  # never a cached block's tokens
@@ -109,7 +117,7 @@ SCENARIOS = {
                                                                (1, "b", b, 6, 1)]),
     "own_victim": lambda rng: ({"num_gpu_blocks": 5}, [(1, name, length, 13 - length, 1) for length in
                                                        [rng.randint(5, 7)] for name in "ab"]),
-    "budget": _budget, "fcfs_across_queues": _swapped(16), "nobody_overtakes": _swapped(4),
+    "budget": _budget, "fcfs_across_queues": _swapped(16), "nobody_overtakes": _overtaken,
     "arrival_ties": _swapped(16, 1.01), "arrived_earlier": _swapped(4, 0.5),
     "max_num_seqs": lambda rng: ({"num_gpu_blocks": 32, "max_num_seqs": 3}, [
         (1, "a", rng.randint(3, 8), 3, 1), (1, "p", rng.randint(4, 8), 3, 3), (2, "q", rng.randint(2, 5), 2, 1)]),
