@@ -297,3 +297,40 @@ def test_auto_mode_tells_the_policy_what_each_victim_holds_and_gives_up():
             break
         e.step()
     assert not e.has_unfinished() and True in seen and False in seen  # running victims, and paused holders
+
+
+class NoScans(list):
+    """A queue that fails on any linear search: moving a sequence must find it by bisection."""
+
+    def __contains__(self, item):
+        raise AssertionError("a queue was scanned for a sequence")
+
+    def remove(self, item):
+        raise AssertionError("a queue was scanned to remove a sequence")
+
+    def index(self, *args):
+        raise AssertionError("a queue was scanned for an index")
+
+
+def test_queueing_many_requests_finds_each_by_bisection_never_a_scan(monkeypatch):
+    """16,000 add_request calls took 4.5-8 s, and 8x the requests 34-39x the time: a scan per move."""
+    from kvlib.core import scheduler as scheduler_module
+    e = engine(num_gpu_blocks=64, max_num_seqs=8)
+    s = e.scheduler
+    s.waiting, s.running, s.swapped = NoScans(), NoScans(), NoScans()
+    keys = [0]
+
+    def counted(seq):
+        keys[0] += 1
+        return (seq.arrival_time, seq.seq_id)
+    monkeypatch.setattr(scheduler_module, "by_arrival", counted)
+    rng = random.Random(0)
+    count = 4096
+    for i in range(count):  # arrivals out of order, as requests added later may have arrived earlier
+        e.add(f"r{i}", Request([1, 2, 3], 2, arrival=rng.uniform(0, 100)))
+    assert len(s.waiting) == count and keys[0] <= count * 2 * (count.bit_length() + 2)
+    assert [seq.arrival_time for seq in s.waiting] == sorted(seq.arrival_time for seq in s.waiting)
+    for _ in range(40):
+        e.step()
+        check_invariants(e)
+    assert len(s.waiting) <= count - 40  # they were admitted, run and finished in order
