@@ -11,7 +11,7 @@ import pytest
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.serve.server import BackgroundServer
-from serve_helpers import chat_model_folder, scrape, settled_pools
+from serve_helpers import chat_model_folder, ended_requests, scrape, settled_pools
 
 NAME = "tiny-chat"
 CONFIG = EngineConfig(num_gpu_blocks=64, num_cpu_blocks=32, max_num_seqs=8)
@@ -207,3 +207,11 @@ def test_an_engine_error_reaches_every_client_and_the_server_recovers():
         out = client.completions.create(model="default", prompt="Hi", max_tokens=8, temperature=0)
         assert out.choices[0].text == LLM("default", verbose=False).generate("Hi", SamplingParams(max_tokens=8))[0].text
         assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_request_success_counts_requests_not_samples(server, client):
+    before = scrape(server.url)
+    client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, n=3, temperature=1.0, seed=3)
+    ended_before = before.get("vllm:request_success_total", 0) + before.get("kvlib:num_requests_aborted_total", 0)
+    after = ended_requests(server.url, ended_before + 1)  # counted a moment after the client has its last tokens
+    assert after["vllm:request_success_total"] - before.get("vllm:request_success_total", 0) == 1  # n = 3: one request

@@ -66,6 +66,13 @@ def _requests(sequences) -> int:
     return len({seq.request_id for seq in sequences})
 
 
+
+def request_finish_reason(output: RequestOutput) -> str:
+    """One reason for a whole request, as ``vllm:request_success`` counts requests, not samples: ``length`` if any
+    of its samples was cut at max_tokens, else the first sample's (``stop``)."""
+    reasons = [sample.finish_reason or "stop" for sample in output.samples]
+    return "length" if "length" in reasons else reasons[0]
+
 class ServerMetrics(LoopObserver):
     """The engine loop's observer, and the collector ``/metrics`` reads."""
 
@@ -93,8 +100,7 @@ class ServerMetrics(LoopObserver):
 
     def finished(self, seconds: float, output: RequestOutput) -> None:
         self._e2e.observe(seconds)
-        for sample in output.samples:
-            self._success.labels(self.model_name, sample.finish_reason or "stop").inc()
+        self._success.labels(self.model_name, request_finish_reason(output)).inc()  # once per request, whatever n
 
     def engine_changed(self, llm: LLM) -> None:
         self._snapshot = engine_snapshot(llm)
