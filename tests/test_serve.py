@@ -215,3 +215,26 @@ def test_request_success_counts_requests_not_samples(server, client):
     ended_before = before.get("vllm:request_success_total", 0) + before.get("kvlib:num_requests_aborted_total", 0)
     after = ended_requests(server.url, ended_before + 1)  # counted a moment after the client has its last tokens
     assert after["vllm:request_success_total"] - before.get("vllm:request_success_total", 0) == 1  # n = 3: one request
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", False), ("best_of", 1), ("logit_bias", {}), ("top_logprobs", 0),
+                                          ("presence_penalty", 0), ("echo", False)])
+def test_a_neutral_value_of_an_unsupported_option_is_accepted_as_vllm_accepts_it(server, field, value):
+    route, body = ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}) if field in (
+        "logprobs", "top_logprobs") else ("completions", {"prompt": "Hi"})
+    reply = httpx.post(f"{server.url}/v1/{route}", json={"model": NAME, "max_tokens": 2, field: value, **body})
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", 0), ("best_of", 2), ("logit_bias", {"5": 1.0}),
+                                          ("echo", 0)])
+def test_a_value_that_asks_for_an_unsupported_option_is_refused(server, field, value):
+    reply = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": "Hi", field: value})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == field
+
+
+def test_stream_options_without_streaming_is_refused(server):
+    reply = httpx.post(f"{server.url}/v1/completions",
+                       json={"model": NAME, "prompt": "Hi", "stream_options": {"include_usage": True}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options"
+    assert "send stream: true" in reply.json()["error"]["message"]

@@ -14,11 +14,24 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
-UNSUPPORTED = {  # field: the value that means "off", which is accepted
-    "logprobs": None, "top_logprobs": None, "echo": False, "best_of": None, "suffix": None, "logit_bias": None,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "tools": None, "tool_choice": None,
-    "response_format": None, "functions": None, "function_call": None,
+UNSUPPORTED = {  # field: the values that mean "off", which are accepted (as vLLM accepts them)
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "best_of": (None, 1), "suffix": (None,),
+    "logit_bias": (None, {}), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "tools": (None,),
+    "tool_choice": (None,), "response_format": (None,), "functions": (None,), "function_call": (None,),
 }
+
+
+def is_neutral(value, neutral) -> bool:
+    """``value`` means the same as ``neutral``: 0 and 0.0 do, a bool and a number never (``logprobs: 0`` is not
+    ``false``), nor values of other types."""
+    if neutral is None or value is None:
+        return value is neutral
+    if isinstance(value, bool) != isinstance(neutral, bool):
+        return False
+    numbers = (int, float)
+    if isinstance(value, numbers) and isinstance(neutral, numbers):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
 
 
 class BadRequest(Exception):
@@ -112,8 +125,11 @@ def parse_request(body: bytes, shape: type[SamplingFields]) -> SamplingFields:
             raise BadRequest(f"the required field {param!r} is missing", param=param, code="missing_required_parameter") from None
         raise BadRequest(f"{param}: {first['msg']} (got {first.get('input')!r})", param=param,
                          code="invalid_type") from None
-    for name, neutral in UNSUPPORTED.items():
-        value = getattr(request, name, neutral)
-        if value is not None and value != neutral:
+    for name, neutrals in UNSUPPORTED.items():
+        value = getattr(request, name, neutrals[0])
+        if not any(is_neutral(value, neutral) for neutral in neutrals):
             raise BadRequest(f"{name} is not supported by kvlib; leave it out", param=name, code="unsupported_parameter")
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("stream_options applies to a streamed response only: send stream: true with it, or leave "
+                         "it out", param="stream_options", code="invalid_value")
     return request
