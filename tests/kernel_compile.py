@@ -66,7 +66,7 @@ def recording(launches: list):
     from kvlib.kernels import cache_ops, paged_decode, paged_prefill
     kernels = [(paged_decode, "_paged_decode_kernel"), (paged_decode, "_merge_splits_kernel"),
                (paged_prefill, "_paged_prefill_kernel"), (cache_ops, "_store_kv_kernel"),
-               (cache_ops, "_copy_blocks_kernel"), (cache_ops, "_copy_blocks_across_kernel")]
+               (cache_ops, "_copy_blocks_kernel")]
     saved = [(module, name, getattr(module, name)) for module, name in kernels]
     for module, name, kernel in saved:
         setattr(module, name, Recorder(kernel, name, launches))

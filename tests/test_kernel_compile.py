@@ -47,7 +47,7 @@ def reports():
 
 TARGETS = {"sm_80", "sm_89", "sm_90"}  # what kvlib's kernels target: compute capability 8.0+
 KERNELS = {"_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel", "_store_kv_kernel",
-           "_copy_blocks_kernel", "_copy_blocks_across_kernel"}
+           "_copy_blocks_kernel"}
 
 
 def kernel_of(report: dict) -> str:

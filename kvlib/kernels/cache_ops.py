@@ -47,22 +47,10 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _copy_blocks_kernel(data_ptr, src_ptr, dst_ptr, stride_block, block_numel, CHUNK: tl.constexpr):
-    """Program (pair, chunk) copies one chunk of one block: blocks are contiguous runs of memory."""
-    pair = tl.program_id(0)
-    offsets = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    mask = offsets < block_numel
-    src = tl.load(src_ptr + pair).to(tl.int64)
-    dst = tl.load(dst_ptr + pair).to(tl.int64)
-    chunk = tl.load(data_ptr + src * stride_block + offsets, mask=mask)
-    tl.store(data_ptr + dst * stride_block + offsets, chunk, mask=mask)
-
-
-@triton.jit
-def _copy_blocks_across_kernel(src_data_ptr, dst_data_ptr, src_ptr, dst_ptr, src_stride_block, dst_stride_block,
-                               block_numel, CHUNK: tl.constexpr):
+def _copy_blocks_kernel(src_data_ptr, dst_data_ptr, src_ptr, dst_ptr, src_stride_block, dst_stride_block,
+                        block_numel, CHUNK: tl.constexpr):
     """Program (pair, chunk) copies one chunk of block ``src[pair]`` of one pool into block ``dst[pair]`` of
-    another."""
+    another, or of the same (blocks are contiguous runs of memory)."""
     pair = tl.program_id(0)
     offsets = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     mask = offsets < block_numel
@@ -101,18 +89,10 @@ def copy_blocks(pool_data: torch.Tensor, src_ids: Sequence[int] | torch.Tensor,
     parallel, so no destination may also be a source or appear twice. The engine passes int64 device
     tensors (its pinned id uploads); a list becomes one, with a blocking copy from pageable memory.
     """
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    if len(src_ids) == 0:
-        return
-    if not pool_data[0].is_contiguous():
-        raise ValueError("copy_blocks needs each block of pool_data to be one contiguous run of memory")
-    src = torch.as_tensor(src_ids, dtype=torch.int64, device=pool_data.device)
-    dst = torch.as_tensor(dst_ids, dtype=torch.int64, device=pool_data.device)
-    block_numel = pool_data[0].numel()
-    _copy_blocks_kernel[(len(src), triton.cdiv(block_numel, COPY_CHUNK))](
-        pool_data, src, dst, pool_data.stride(0), block_numel, CHUNK=COPY_CHUNK,
-    )
+    if len(src_ids) == 0 == len(dst_ids):
+        return  # nothing to upload
+    copy_blocks_across(pool_data, pool_data, torch.as_tensor(src_ids, dtype=torch.int64, device=pool_data.device),
+                       torch.as_tensor(dst_ids, dtype=torch.int64, device=pool_data.device))
 
 
 def copy_blocks_across(src_data: torch.Tensor, dst_data: torch.Tensor, src_ids: torch.Tensor,
@@ -133,8 +113,8 @@ def copy_blocks_across(src_data: torch.Tensor, dst_data: torch.Tensor, src_ids: 
     if len(src_ids) == 0:
         return
     if not (src_data[0].is_contiguous() and dst_data[0].is_contiguous()):
-        raise ValueError("copy_blocks_across needs each block to be one contiguous run of memory")
+        raise ValueError("copying blocks needs each block of a pool to be one contiguous run of memory")
     block_numel = src_data[0].numel()
-    _copy_blocks_across_kernel[(len(src_ids), triton.cdiv(block_numel, chunk))](
+    _copy_blocks_kernel[(len(src_ids), triton.cdiv(block_numel, chunk))](
         src_data, dst_data, src_ids, dst_ids, src_data.stride(0), dst_data.stride(0), block_numel, CHUNK=chunk,
     )
