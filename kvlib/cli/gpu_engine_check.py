@@ -33,19 +33,12 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
 
 
 def transformers_tokens() -> list[list[int]]:
-    import transformers
-
+    from kvlib.cli.gpu_real_parts import transformers_greedy
     from kvlib.model.default import default_model_path
     from kvlib.tokenizer import Tokenizer
-    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32).cuda().eval()
     tok = Tokenizer.from_folder(default_model_path())
-    expected = []
-    for prompt in PROMPTS:
-        ids = torch.tensor([tok.encode(prompt)], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
-                             do_sample=False, pad_token_id=0)
-        expected.append(out[0, ids.shape[1]:].tolist())
-    return expected
+    return transformers_greedy(default_model_path(), [tok.encode(p) for p in PROMPTS], torch.float32,
+                               GREEDY.max_tokens)
 
 
 def synchronizations_per_step(llm: LLM, params: SamplingParams) -> tuple[int, int, int]:

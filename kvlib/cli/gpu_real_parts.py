@@ -73,17 +73,21 @@ def kvlib_greedy(folder, prompts: list[list[int]], dtype: str) -> list[list[int]
     return [o.token_ids for o in outs]
 
 
-def transformers_greedy(folder, prompts: list[list[int]], dtype: torch.dtype) -> list[list[int]]:
-    """transformers' own greedy tokens, on the GPU where there is one (kvlib's ``device="auto"``)."""
-    import transformers
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+def transformers_greedy(folder, prompts: list[list[int]], dtype: torch.dtype,
+                        steps: int | None = None) -> list[list[int]]:
+    """transformers' own greedy tokens, ``steps`` (``TOKEN_STEPS`` when None) for each prompt, no end of sequence,
+    on the GPU where there is one (kvlib's ``device="auto"``)."""
+    from kvlib.cli.bench.engine_baselines import load_transformers
+    from kvlib.cli.bench.engine_workload import Placement
+    from kvlib.runner.device import resolve_device
+    device = resolve_device("auto")
+    model = load_transformers(folder, Placement(device, dtype))
     expected = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt], device=device)
-            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=TOKEN_STEPS,
-                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps or TOKEN_STEPS,
+                                 do_sample=False, pad_token_id=0)
             expected.append(got[0, len(prompt):].tolist())
     del model
     release()
