@@ -60,13 +60,6 @@ def times_in_turns(fns: list[Callable[[], None]], device: torch.device, repeats:
     return times
 
 
-def paired_times(first: Callable[[], None], second: Callable[[], None], device: torch.device,
-                 repeats: int) -> tuple[list[float], list[float]]:
-    """``times_in_turns`` of two functions."""
-    first_times, second_times = times_in_turns([first, second], device, repeats)
-    return first_times, second_times
-
-
 def measure_swap(spec: KVCacheSpec, num_blocks: int, device: torch.device, repeats: int = 5,
                  seed: int = 0) -> list[dict]:
     """Rows ``out`` and ``in`` (each with scattered and, on a GPU, consecutive host blocks) against one
@@ -97,7 +90,7 @@ def measure_swap(spec: KVCacheSpec, num_blocks: int, device: torch.device, repea
                 torch.cuda.synchronize(device)
             copied_right = torch.equal(dst.data[dst_ids].cpu(), src.data[src_ids].cpu())
             contiguous()
-            scattered_s, contiguous_s = map(min, paired_times(scattered, contiguous, device, repeats))
+            scattered_s, contiguous_s = map(min, times_in_turns([scattered, contiguous], device, repeats))
             nbytes = num_blocks * spec.block_bytes
             rows.append({
                 "block size": spec.block_size, "block KiB": spec.block_bytes / 1024, "blocks": num_blocks,
