@@ -459,6 +459,12 @@ def test_kernel_bench_baseline_reads_each_layer():
     assert not torch.allclose(sdpa(0), sdpa(1))
 
 
+def test_kernel_bench_decode_under_a_graphs_longer_bound_computes_the_same_attention():
+    """The graph-split part times the kernel told a bound far past the real contexts (a graph bucket's)."""
+    paged, sdpa, _ = decode_case(batch=2, context=40, device=DEVICE, dtype=FP32)
+    torch.testing.assert_close(paged(None, max_context_len=4096), sdpa(), **TOLERANCE[FP32])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_sweeps_are_empty_without_cuda():
     assert bench.decode_sweep() == [] and bench.prefill_bench() == []

@@ -67,20 +67,12 @@ def part_prefill(out: Results) -> bool:
 
 def part_graph_split(out: Results) -> bool:
     """A decode graph captured with a 131,072-token bound over 4k-token contexts, against one with their own."""
-    from triton.testing import do_bench
-
-    from kvlib.cli.bench.kernels import NUM_KV_HEADS
+    from kvlib.cli.bench.kernels import NUM_KV_HEADS, decode_case, graph_ms
     from kvlib.kernels import paged_decode
     batch, context, bound = SPLIT_CASE
-    times = {}
-    for name, max_len in (("real", context), ("bound", bound)):
-        run = decode_with_bound(batch, context, max_len)
-        run()  # compiled, outside the graph
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        times[name] = do_bench(graph.replay, return_mode="median")
+    paged, _, _ = decode_case(batch, context, "cuda", torch.bfloat16)
+    times = {name: graph_ms([lambda max_len=max_len: paged(None, max_context_len=max_len)])
+             for name, max_len in (("real", context), ("bound", bound))}
     per_sm = next((n for key, n in paged_decode._occupancy.items() if key[1] == torch.bfloat16), None)
     splits = paged_decode.choose_num_splits(batch, NUM_KV_HEADS, bound, torch.device("cuda"), per_sm)
     working = batch * NUM_KV_HEADS * paged_decode.working_splits(context, splits)
@@ -88,18 +80,6 @@ def part_graph_split(out: Results) -> bool:
             bound=bound, us_real=times["real"] * 1e3, us_bound=times["bound"] * 1e3, splits=splits, per_sm=per_sm,
             programs=batch * NUM_KV_HEADS * splits, working_programs=working)
     return True
-
-
-def decode_with_bound(batch: int, context: int, max_context_len: int):
-    from kvlib.cli.bench.kernels import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_KV_HEADS
-    from kvlib.kernels import paged_decode_attention
-    blocks = batch * -(-context // BLOCK_SIZE)
-    pool = torch.randn(blocks, 1, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    tables = torch.randperm(blocks, device="cuda").view(batch, -1).int()
-    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    return lambda: paged_decode_attention(query, pool[:, 0, 0], pool[:, 0, 1], tables, lens, HEAD_DIM ** -0.5,
-                                          max_context_len=max_context_len)
 
 
 def part_swap(out: Results) -> bool:

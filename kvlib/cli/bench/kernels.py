@@ -94,7 +94,8 @@ def decode_kv_bytes(batch: int, context: int, dtype: torch.dtype) -> int:
 
 def decode_case(batch: int, context: int, device: torch.device | str,
                 dtype: torch.dtype, layers: int = 1) -> tuple[Callable, Callable, int]:
-    """The paged kernel (a function of the split count, the layer and the kernel's tunables), its SDPA twin (a
+    """The paged kernel (a function of the split count, the layer, the context bound it is told (a CUDA graph's
+    bucket bound) and the kernel's tunables), its SDPA twin (a
     function of the layer), and the K/V bytes either reads per call. ``layers``: how many layers the pool holds,
     so calls back to back can read different bytes, as a model's layers do."""
     from kvlib.kernels import paged_decode_attention
@@ -114,9 +115,9 @@ def decode_case(batch: int, context: int, device: torch.device | str,
     contiguous_kv = [(contiguous(pool[:, layer, 0]), contiguous(pool[:, layer, 1])) for layer in range(layers)]
     grouped_query = query.view(batch, NUM_KV_HEADS, NUM_HEADS // NUM_KV_HEADS, HEAD_DIM)
 
-    def paged(num_splits: int | None, layer: int = 0, **tunables) -> torch.Tensor:
+    def paged(num_splits: int | None, layer: int = 0, max_context_len: int = context, **tunables) -> torch.Tensor:
         return paged_decode_attention(query, pool[:, layer, 0], pool[:, layer, 1], block_tables, context_lens, scale,
-                                      max_context_len=context, num_splits=num_splits, **tunables)
+                                      max_context_len=max_context_len, num_splits=num_splits, **tunables)
 
     def sdpa(layer: int = 0) -> torch.Tensor:
         k, v = contiguous_kv[layer]
