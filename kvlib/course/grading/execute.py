@@ -15,6 +15,7 @@ import ipykernel.kernelspec
 import nbformat
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.utils import run_sync
 from nbclient import NotebookClient
 
 import kvlib
@@ -45,12 +46,26 @@ def execute(nb: nbformat.NotebookNode, folder: Path, *, allow_errors: bool, time
     With ``allow_errors`` a failing cell does not stop the run, and a cell that runs past
     ``timeout`` seconds is interrupted, so the cells after it still run. ``client_options``
     go to :class:`nbclient.NotebookClient` (e.g. its ``on_cell_execute`` hook).
+
+    The kernel is shut down when the notebook is done, however it ends (a client handed a kernel
+    manager leaves the kernel running: each one is a Python process holding torch, and grading a
+    class would otherwise pile them up until memory runs out).
     """
     kernel = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnvKernelSpecs())
     client = NotebookClient(nb, km=kernel, timeout=timeout, allow_errors=allow_errors,
                             interrupt_on_timeout=allow_errors,
                             resources={"metadata": {"path": str(Path(folder).resolve())}}, **client_options)
-    client.execute(env=_kernel_env(env), stderr=subprocess.DEVNULL)  # the kernel's own log, not cell output
+    try:
+        client.execute(env=_kernel_env(env), stderr=subprocess.DEVNULL,  # the kernel's own log, not cell output
+                       cleanup_kc=True)
+    finally:
+        run_sync(_shut_down)(kernel)
+
+
+async def _shut_down(kernel: AsyncKernelManager) -> None:
+    """Kill ``kernel``'s process if the client left one (a kernel that failed to start, say)."""
+    if kernel.has_kernel:
+        await kernel.shutdown_kernel(now=True)
 
 
 def _kernel_env(extra: Optional[dict[str, str]]) -> dict[str, str]:
