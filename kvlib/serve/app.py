@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from typing import Callable
+from typing import Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,14 +24,15 @@ from kvlib.serve.engine_loop import EngineLoop
 from kvlib.serve.generation import EngineFailure, Generation
 from kvlib.serve.prometheus import ServerMetrics
 from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
+from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
 from kvlib.serve.requests import ServedModel, chat_work, completion_work
 
 CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first; nobody reads it
 
 
-def build_app(llm: LLM, model_name: str) -> FastAPI:
+def build_app(llm: LLM, model_name: str, limits: Optional[RequestLimits] = None) -> FastAPI:
     """The server's app. Its lifespan starts the engine loop and stops it; ``app.state`` holds the loop and metrics."""
-    model = ServedModel.of(llm, model_name)
+    model = ServedModel.of(llm, model_name, limits)
     metrics = ServerMetrics(model_name)
     loop = EngineLoop(llm, metrics)
     created = int(time.time())
@@ -88,7 +89,7 @@ def _error(message: str, status: int, param=None, code=None) -> JSONResponse:
 async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: type[SamplingFields],
                  to_work: Callable, chat: bool) -> Response:
     try:
-        body = parse_request(await request.body(), shape)
+        body = parse_request(await _read_body(request, model.limits.max_body_bytes), shape)
         work = to_work(body, model)
     except BadRequest as err:
         return _error(err.message, err.status, err.param, err.code)
@@ -113,6 +114,26 @@ async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: 
         return Response(status_code=CLIENT_GONE)
     build = responses.chat_completion if chat else responses.completion
     return JSONResponse(build(gen, model.name, body.return_token_ids))
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it is known to be longer than ``limit``: announced so, or sent so."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared)} bytes", limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(f"over {limit} bytes", limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> BadRequest:
+    return BadRequest(f"the request body is {size}; this server takes at most {limit} bytes (kvlib serve "
+                      f"{LIMIT_FLAGS['max_body_bytes']}): send fewer or shorter prompts, over several requests",
+                      code="request_too_large", status=413)
 
 
 async def _stream(request: Request, gen: Generation, body: SamplingFields, model_name: str, chat: bool):

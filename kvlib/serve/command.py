@@ -11,6 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from kvlib.config import ATTENTION_BACKENDS, DEVICES, DTYPES, PREEMPTION_MODES, WEIGHT_FORMATS, EngineConfig
+from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
 
 ABOUT = """\
 Serves MODEL over HTTP with OpenAI's API: POST /v1/completions and /v1/chat/completions (stream=true
@@ -56,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the name clients pass as model (default: MODEL, or a folder's own name)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="how much uvicorn logs (info: one line per request)")
+    limits = RequestLimits()
+    parser.add_argument("--max-prompts-per-request", dest="max_prompts", type=int, default=limits.max_prompts,
+                        help="prompts one completions request may hold; more get a 400")
+    parser.add_argument("--max-prompt-tokens-per-request", dest="max_prompt_tokens", type=int,
+                        default=limits.max_prompt_tokens,
+                        help="prompt tokens one request may hold, all its prompts together; more get a 400")
+    parser.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=limits.max_body_bytes,
+                        help="bytes a request body may hold; more get a 413")
     defaults = EngineConfig()
     for option in fields(EngineConfig):
         flag, default = f"--{option.name.replace('_', '-')}", getattr(defaults, option.name)
@@ -70,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{option.name: getattr(args, option.name) for option in fields(EngineConfig)})
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(**{name: getattr(args, name) for name in LIMIT_FLAGS})
 
 
 def served_name(model: str) -> str:
@@ -87,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvlib.llm import LLM
     try:
-        config = engine_config(args)
+        config, limits = engine_config(args), request_limits(args)
     except ValueError as err:
         print(f"kvlib serve: {err}", file=sys.stderr)
         return 2
     llm = LLM(args.model, config)
     name = args.served_model_name or served_name(args.model)
     print(f"kvlib serve: {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API), metrics at /metrics; Ctrl-C stops")
-    run_server(llm, name, args.host, args.port, args.log_level)
+    run_server(llm, name, args.host, args.port, args.log_level, limits)
     return 0

@@ -7,11 +7,12 @@ the KV pool) comes back from its next step as a rejection, and becomes a 400 too
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from kvlib.config import MAX_SEED, SamplingParams
 from kvlib.llm import LLM
+from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
 from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, MAX_STOP_STRINGS, SamplingFields
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
@@ -26,12 +27,13 @@ class ServedModel:
     max_num_seqs: int
     vocab_size: int
     tokenizer: object  # kvlib.tokenizer.Tokenizer, or None for a folder without tokenizer.json
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @classmethod
-    def of(cls, llm: LLM, name: str) -> "ServedModel":
+    def of(cls, llm: LLM, name: str, limits: Optional[RequestLimits] = None) -> "ServedModel":
         engine = llm.engine
         return cls(name, engine.max_model_len, engine.config.max_num_seqs, engine.model_config.vocab_size,
-                   llm.tokenizer)
+                   llm.tokenizer, limits or RequestLimits())
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,14 @@ class EngineWork:
 
 def completion_work(request: CompletionRequest, model: ServedModel) -> EngineWork:
     _check_model(request, model)
+    given = _prompt_list(request.prompt)
+    cap = model.limits.max_prompts
+    if len(given) > cap:
+        raise BadRequest(f"this request holds {len(given)} prompts; this server takes at most {cap} in one request "
+                         f"(kvlib serve {LIMIT_FLAGS['max_prompts']}): send them in several requests",
+                         param="prompt", code="too_many_prompts")
     prompts = [_prompt_ids(p, model, f"prompt[{i}]" if _is_batch(request.prompt) else "prompt")
-               for i, p in enumerate(_prompt_list(request.prompt))]
+               for i, p in enumerate(given)]
     return _work(request, prompts, request.max_tokens, model)
 
 
@@ -111,6 +119,11 @@ def _prompt_ids(prompt, model: ServedModel, param: str) -> list[int]:
 
 
 def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optional[int], model: ServedModel) -> EngineWork:
+    total, cap = sum(len(p) for p in prompts), model.limits.max_prompt_tokens
+    if total > cap:
+        raise BadRequest(f"this request's prompts hold {total} tokens; this server takes at most {cap} prompt tokens "
+                         f"in one request (kvlib serve {LIMIT_FLAGS['max_prompt_tokens']}): send fewer or shorter "
+                         f"prompts, or split them over several requests", param="prompt", code="too_many_prompt_tokens")
     longest = max(len(p) for p in prompts)
     room = model.max_model_len - longest
     if room < 1:

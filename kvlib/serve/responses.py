@@ -10,7 +10,7 @@ from typing import Optional
 
 from kvlib.serve.generation import Generation
 
-ERROR_TYPES = {400: "invalid_request_error", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 def error_body(message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None) -> dict:

@@ -16,20 +16,24 @@ import uvicorn
 from kvlib.llm import LLM
 from kvlib.serve.app import build_app
 from kvlib.serve.engine_loop import EngineLoop
+from kvlib.serve.limits import RequestLimits
 
 START_TIMEOUT_S = 30.0
 
 
-def run_server(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def run_server(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               limits: Optional[RequestLimits] = None) -> None:
     """Serve until interrupted (Ctrl-C), then stop the engine loop."""
-    uvicorn.run(build_app(llm, model_name), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(build_app(llm, model_name, limits), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5)
 
 
 class BackgroundServer:
     """``with BackgroundServer(llm, "default") as server:`` serves at ``server.url`` until the block ends."""
 
-    def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.app = build_app(llm, model_name)
+    def __init__(self, llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 limits: Optional[RequestLimits] = None):
+        self.app = build_app(llm, model_name, limits)
         self.model_name = model_name
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

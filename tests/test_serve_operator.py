@@ -1,0 +1,92 @@
+"""``kvlib serve`` as an operator runs it: no request holds the others up, the event loop never waits on a
+tokenizer, the default context fits the pool, ``/health`` means what a readiness probe needs, and a
+shutdown ends every open stream with an event. Nothing here judges a timing: where the order of two
+things is the point, the test records the order.
+"""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from kvlib import LLM, EngineConfig
+from kvlib.serve.limits import RequestLimits
+from kvlib.serve.server import BackgroundServer
+
+SMALL = RequestLimits(max_prompts=4, max_prompt_tokens=64, max_body_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", EngineConfig(num_gpu_blocks=64, max_num_seqs=8), verbose=False)
+
+
+@pytest.fixture(scope="module")
+def small(llm):
+    """A server with small request limits, so that each one is easy to reach."""
+    with BackgroundServer(llm, "default", limits=SMALL) as server:
+        yield server
+
+
+def completion(server, **body) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", json={"model": "default", "max_tokens": 2, **body}, timeout=60)
+
+
+def test_too_many_prompts_in_one_request_get_a_400_naming_the_limit_and_its_flag(small):
+    reply = completion(small, prompt=[[5, 6]] * 5)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "too_many_prompts"
+    assert "5 prompts" in error["message"] and "at most 4" in error["message"]
+    assert "--max-prompts-per-request" in error["message"]
+    assert completion(small, prompt=[[5, 6]] * 4).status_code == 200  # the limit itself is allowed
+
+
+def test_too_many_prompt_tokens_in_one_request_get_a_400_naming_the_limit_and_its_flag(small):
+    reply = completion(small, prompt=[[5] * 20] * 4)  # 80 tokens, each prompt well within the context
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "too_many_prompt_tokens"
+    assert "80" in error["message"] and "at most 64" in error["message"]
+    assert "--max-prompt-tokens-per-request" in error["message"]
+    text = completion(small, prompt="x" * 70)  # text counts as its tokens (one per byte in the built-in model)
+    assert text.status_code == 400 and text.json()["error"]["code"] == "too_many_prompt_tokens"
+    assert completion(small, prompt=[[5] * 16] * 4).status_code == 200
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_body_over_the_limit_gets_a_413_naming_the_limit_and_its_flag(small, declared):
+    body = b'{"model": "default", "prompt": "' + b"x" * 5000 + b'"}'
+    content = body if declared else iter([body[:2000], body[2000:]])  # an iterator is sent chunked, unannounced
+    reply = httpx.post(f"{small.url}/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert reply.status_code == 413
+    error = reply.json()["error"]
+    assert error["code"] == "request_too_large" and "at most 4096 bytes" in error["message"]
+    assert "--max-body-bytes" in error["message"]
+    assert httpx.get(f"{small.url}/health").status_code == 200
+
+
+def test_by_default_ten_thousand_prompts_are_refused_before_any_reaches_the_engine(llm):
+    with BackgroundServer(llm, "default") as server:
+        counted = server.engine_loop.call(lambda llm: llm.metrics.num_prompt_tokens).result(30)
+        reply = completion(server, prompt=[[5, 6, 7]] * 10_000)
+        assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_prompts"
+        assert server.engine_loop.call(lambda llm: llm.metrics.num_prompt_tokens).result(30) == counted
+
+
+@pytest.mark.parametrize("field, value", [("max_prompts", 0), ("max_prompt_tokens", -1), ("max_body_bytes", 1.5)])
+def test_a_limit_that_is_not_a_positive_integer_is_refused_by_its_flag(field, value):
+    flag = {"max_prompts": "--max-prompts-per-request", "max_prompt_tokens": "--max-prompt-tokens-per-request",
+            "max_body_bytes": "--max-body-bytes"}[field]
+    with pytest.raises(ValueError, match=flag):
+        RequestLimits(**{field: value})
+
+
+def test_the_limits_are_flags_of_kvlib_serve_with_the_same_defaults():
+    from kvlib.cli.commands import build_parser
+    from kvlib.serve.command import request_limits
+    args = build_parser().parse_args(["serve", "--max-prompts-per-request", "8", "--max-prompt-tokens-per-request",
+                                      "1000", "--max-body-bytes", "65536"])
+    assert request_limits(args) == RequestLimits(max_prompts=8, max_prompt_tokens=1000, max_body_bytes=65536)
+    assert request_limits(build_parser().parse_args(["serve"])) == RequestLimits()
