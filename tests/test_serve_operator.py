@@ -5,6 +5,7 @@ things is the point, the test records the order.
 """
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -12,7 +13,9 @@ import pytest
 
 from kvlib import LLM, EngineConfig
 from kvlib.serve.limits import RequestLimits
+from kvlib.serve.requests import ServedModel
 from kvlib.serve.server import BackgroundServer
+from serve_helpers import chat_model_folder
 
 SMALL = RequestLimits(max_prompts=4, max_prompt_tokens=64, max_body_bytes=4096)
 
@@ -90,3 +93,90 @@ def test_the_limits_are_flags_of_kvlib_serve_with_the_same_defaults():
                                       "1000", "--max-body-bytes", "65536"])
     assert request_limits(args) == RequestLimits(max_prompts=8, max_prompt_tokens=1000, max_body_bytes=65536)
     assert request_limits(build_parser().parse_args(["serve"])) == RequestLimits()
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tmp_path_factory):
+    return LLM(chat_model_folder(tmp_path_factory.mktemp("chat-model")), EngineConfig(num_gpu_blocks=64),
+               verbose=False)
+
+
+def read_stream(reply) -> list[dict]:
+    """The events of a server-sent stream up to its ``[DONE]`` (``None`` stands for it)."""
+    events = []
+    for line in reply.iter_lines():
+        if line.startswith("data: "):
+            events.append(None if line == "data: [DONE]" else json.loads(line[len("data: "):]))
+    return events
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_health_and_open_streams_are_served_while_a_prompt_is_tokenized(chat_llm, monkeypatch, route):
+    """The tokenizer here waits until the test lets it go: an open stream must end and /health must answer
+    meanwhile, so the test sees them before the tokenizer's return (on the event loop, it would see them after)."""
+    started, released, order = threading.Event(), threading.Event(), []
+
+    def slowly(real):
+        def encode(self, text):
+            started.set()
+            released.wait(20)  # only a guard against a hang: the order below is what the test judges
+            order.append("tokenized")
+            return real(self, text)
+        return encode
+
+    monkeypatch.setattr(ServedModel, "encode", slowly(ServedModel.encode))
+    monkeypatch.setattr(ServedModel, "encode_chat", slowly(ServedModel.encode_chat))
+    body = {"prompt": "Tell me"} if route == "completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    with BackgroundServer(chat_llm, "tiny-chat") as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        replies = {}
+        with client.stream("POST", "/v1/completions", json={"model": "tiny-chat", "prompt": [5, 6, 7], "stream": True,
+                                                            "max_tokens": 8, "ignore_eos": True}) as stream:
+            sender = threading.Thread(target=lambda: replies.update(slow=client.post(
+                f"/v1/{route}", json={"model": "tiny-chat", "max_tokens": 2, **body})))
+            sender.start()
+            assert started.wait(60)
+            events = read_stream(stream)
+            order.append("stream ended")
+        health = client.get("/health")
+        order.append("health answered")
+        released.set()
+        sender.join()
+    assert order == ["stream ended", "health answered", "tokenized"]
+    assert events[-1] is None and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert health.status_code == 200 and replies["slow"].status_code == 200
+
+
+def test_health_answers_while_a_prompt_of_megabytes_is_tokenized(llm, monkeypatch):
+    """The real tokenizer this time: the tokenizers library must let the GIL go while it works, or the event
+    loop stops with it. /health is asked once tokenizing has begun; its answer must come while it still runs."""
+    tokenizing, tokenized = threading.Event(), threading.Event()
+    real = ServedModel.encode
+
+    def observed(self, text):
+        tokenizing.set()
+        try:
+            return real(self, text)
+        finally:
+            tokenized.set()
+
+    monkeypatch.setattr(ServedModel, "encode", observed)
+    with BackgroundServer(llm, "default") as server:
+        replies = {}
+        sender = threading.Thread(target=lambda: replies.update(big=completion(server, prompt="a few words " * 500_000)))
+        sender.start()
+        assert tokenizing.wait(60)
+        health = httpx.get(f"{server.url}/health", timeout=120)
+        answered_first = not tokenized.is_set()
+        sender.join()
+    assert health.status_code == 200 and answered_first
+    assert replies["big"].status_code == 400 and replies["big"].json()["error"]["code"] == "too_many_prompt_tokens"
+
+
+def test_the_servers_encoding_is_the_tokenizers_own(chat_llm):
+    model = ServedModel.of(chat_llm, "tiny-chat")
+    for text in ("The KV cache is", "naïve café, 東京", " leading and trailing ", "<s> not special"):
+        assert model.encode(text) == chat_llm.tokenizer.encode(text)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is paging?"}]
+    assert model.encode_chat(messages) == chat_llm.tokenizer.encode_chat(messages)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        model.encode("bad \ud800 text")

@@ -1,8 +1,9 @@
 """The ASGI app: OpenAI's routes over one engine loop.
 
-A request is parsed and checked (a 400 in OpenAI's error shape if anything is wrong), submitted, and
-answered once the engine has taken it: so a prompt the engine refuses is a 400 too, even when
-streaming, since no byte of the stream has gone out yet. From then on, a client that disconnects
+A request is parsed, checked and tokenized on a worker thread, so that a body of megabytes never
+stops the event loop (``/health``, the open streams); anything wrong is a 400 in OpenAI's error shape.
+It is then submitted, and answered once the engine has taken it: so a prompt the engine refuses is a
+400 too, even when streaming, since no byte of the stream has gone out yet. From then on, a client that disconnects
 aborts its request wherever it is (waiting, running, swapped): a task watches the connection for
 the whole life of the request, and the stream's own end aborts whatever still runs.
 """
@@ -89,8 +90,8 @@ def _error(message: str, status: int, param=None, code=None) -> JSONResponse:
 async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: type[SamplingFields],
                  to_work: Callable, chat: bool) -> Response:
     try:
-        body = parse_request(await _read_body(request, model.limits.max_body_bytes), shape)
-        work = to_work(body, model)
+        raw = await _read_body(request, model.limits.max_body_bytes)
+        body, work = await asyncio.to_thread(_checked_work, raw, shape, to_work, model)
     except BadRequest as err:
         return _error(err.message, err.status, err.param, err.code)
     if not loop.alive:
@@ -114,6 +115,12 @@ async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: 
         return Response(status_code=CLIENT_GONE)
     build = responses.chat_completion if chat else responses.completion
     return JSONResponse(build(gen, model.name, body.return_token_ids))
+
+
+def _checked_work(raw: bytes, shape: type[SamplingFields], to_work: Callable, model: ServedModel):
+    """Parse, check and tokenize: on a worker thread, so that a body of megabytes never stops the event loop."""
+    body = parse_request(raw, shape)
+    return body, to_work(body, model)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

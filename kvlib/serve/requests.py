@@ -10,10 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tokenizers import Tokenizer as HFTokenizer
+
 from kvlib.config import MAX_SEED, SamplingParams
 from kvlib.llm import LLM
 from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
 from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, MAX_STOP_STRINGS, SamplingFields
+from kvlib.tokenizer import unicode_problem
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 
@@ -28,12 +31,32 @@ class ServedModel:
     vocab_size: int
     tokenizer: object  # kvlib.tokenizer.Tokenizer, or None for a folder without tokenizer.json
     limits: RequestLimits = field(default_factory=RequestLimits)
+    encoder: object = None  # the same tokenizer.json in the tokenizers library, for encode_batch
 
     @classmethod
     def of(cls, llm: LLM, name: str, limits: Optional[RequestLimits] = None) -> "ServedModel":
-        engine = llm.engine
+        engine, tokenizer = llm.engine, llm.tokenizer
+        encoder = None if tokenizer is None else HFTokenizer.from_file(str(tokenizer.path))
         return cls(name, engine.max_model_len, engine.config.max_num_seqs, engine.model_config.vocab_size,
-                   llm.tokenizer, limits or RequestLimits())
+                   tokenizer, limits or RequestLimits(), encoder)
+
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids, as the engine's tokenizer gives them (``Tokenizer.encode``).
+
+        The tokenizers library holds the GIL through ``encode`` but lets it go in ``encode_batch``: on a
+        worker thread, a prompt of megabytes then leaves the event loop (``/health``, open streams) running.
+        """
+        return self._ids(text, "the prompt", add_special_tokens=True)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The token ids ``Tokenizer.encode_chat`` gives (the template writes any BOS itself), as :meth:`encode`."""
+        return self._ids(self.tokenizer.apply_chat_template(messages), "the conversation", add_special_tokens=False)
+
+    def _ids(self, text: str, what: str, add_special_tokens: bool) -> list[int]:
+        problem = unicode_problem(text, what)
+        if problem:
+            raise ValueError(problem)
+        return self.encoder.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 @dataclass(frozen=True)
@@ -64,7 +87,7 @@ def chat_work(request: ChatCompletionRequest, model: ServedModel) -> EngineWork:
     messages = [{**m.model_dump(exclude_none=True), "content": _message_text(m.content, i)}
                 for i, m in enumerate(request.messages)]
     try:
-        prompt = model.tokenizer.encode_chat(messages)
+        prompt = model.encode_chat(messages)
     except Exception as err:  # a template may raise anything (raise_exception, a missing key)
         raise BadRequest(f"the chat template refused these messages: {err}", param="messages") from None
     max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -106,7 +129,7 @@ def _prompt_ids(prompt, model: ServedModel, param: str) -> list[int]:
             raise BadRequest(f"the model {model.name!r} has no tokenizer: send the prompt as a list of token ids",
                              param=param, code="no_tokenizer")
         try:
-            prompt = model.tokenizer.encode(prompt)
+            prompt = model.encode(prompt)
         except Exception as err:  # the tokenizers library refuses a lone surrogate with a bare exception
             raise BadRequest(f"{param} cannot be tokenized ({err})", param=param) from None
     if not prompt:
