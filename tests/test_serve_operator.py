@@ -6,6 +6,7 @@ things is the point, the test records the order.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import httpx
@@ -180,3 +181,42 @@ def test_the_servers_encoding_is_the_tokenizers_own(chat_llm):
     assert model.encode_chat(messages) == chat_llm.tokenizer.encode_chat(messages)
     with pytest.raises(ValueError, match="lone surrogate"):
         model.encode("bad \ud800 text")
+
+
+def test_with_no_max_model_len_set_the_server_serves_the_context_its_pool_holds(chat_llm, caplog):
+    """48 blocks of 16 tokens hold 768 tokens of a 2,048-token context: chat without max_tokens is served."""
+    llm = LLM(chat_llm.engine.tokenizer.path.parent, EngineConfig(num_gpu_blocks=48), verbose=False)
+    with caplog.at_level(logging.WARNING, logger="kvlib.serve"):
+        server = BackgroundServer(llm, "tiny-chat")
+    assert "768 tokens" in caplog.text and "2048" in caplog.text and "num_gpu_blocks" in caplog.text
+    with server:
+        models = httpx.get(f"{server.url}/v1/models").json()["data"]
+        assert models[0]["max_model_len"] == 768
+        reply = httpx.post(f"{server.url}/v1/chat/completions", timeout=300, json={
+            "model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        assert reply.json()["choices"][0]["finish_reason"] in ("stop", "length") and usage["total_tokens"] <= 768
+        too_long = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny-chat", "prompt": [5] * 700,
+                                                                   "max_tokens": 100})
+        assert too_long.status_code == 400 and "context is 768 tokens" in too_long.json()["error"]["message"]
+
+
+def test_a_max_model_len_set_beyond_the_pool_is_refused_at_start_up(chat_llm):
+    llm = LLM(chat_llm.engine.tokenizer.path.parent, EngineConfig(num_gpu_blocks=48, max_model_len=1024),
+              verbose=False)
+    with pytest.raises(ValueError, match=r"max_model_len=1024 .* 768 tokens.*num_gpu_blocks.* at least 64"):
+        BackgroundServer(llm, "tiny-chat")
+    fits = LLM(chat_llm.engine.tokenizer.path.parent, EngineConfig(num_gpu_blocks=48, max_model_len=512),
+               verbose=False)
+    with BackgroundServer(fits, "tiny-chat") as server:
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 512
+
+
+def test_kvlib_serve_refuses_a_max_model_len_beyond_the_pool_before_it_listens(capsys):
+    from kvlib.cli.commands import build_parser
+    from kvlib.serve.command import run
+    args = build_parser().parse_args(["serve", "default", "--num-gpu-blocks", "48", "--max-model-len", "1024"])
+    assert run(args) == 2
+    out, err = capsys.readouterr()
+    assert "at most 768" in err and "--num-gpu-blocks" in err and " on http://" not in out

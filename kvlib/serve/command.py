@@ -92,6 +92,7 @@ def served_name(model: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        from kvlib.serve.app import build_app
         from kvlib.serve.server import run_server
     except ImportError as err:
         print(f"kvlib serve: {err.name} is not installed; the server needs kvlib's serve extra: in a clone "
@@ -106,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     llm = LLM(args.model, config)
     name = args.served_model_name or served_name(args.model)
+    try:
+        app = build_app(llm, name, limits)
+    except ValueError as err:  # settings the server refuses to start with (a max_model_len beyond the KV pool)
+        print(f"kvlib serve: {err}", file=sys.stderr)
+        return 2
     print(f"kvlib serve: {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API), metrics at /metrics; Ctrl-C stops")
-    run_server(llm, name, args.host, args.port, args.log_level, limits)
+    run_server(app, args.host, args.port, args.log_level)
     return 0

@@ -7,6 +7,7 @@ the KV pool) comes back from its next step as a rejection, and becomes a 400 too
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,7 @@ from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRe
 from kvlib.tokenizer import unicode_problem
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+logger = logging.getLogger("kvlib.serve")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class ServedModel:
     def of(cls, llm: LLM, name: str, limits: Optional[RequestLimits] = None) -> "ServedModel":
         engine, tokenizer = llm.engine, llm.tokenizer
         encoder = None if tokenizer is None else HFTokenizer.from_file(str(tokenizer.path))
-        return cls(name, engine.max_model_len, engine.config.max_num_seqs, engine.model_config.vocab_size,
+        return cls(name, _context_the_pool_holds(llm), engine.config.max_num_seqs, engine.model_config.vocab_size,
                    tokenizer, limits or RequestLimits(), encoder)
 
     def encode(self, text: str) -> list[int]:
@@ -57,6 +59,26 @@ class ServedModel:
         if problem:
             raise ValueError(problem)
         return self.encoder.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+def _context_the_pool_holds(llm: LLM) -> int:
+    """The longest request (prompt plus output) the server takes, decided as vLLM decides it: the model's context
+    when the KV pool holds it; else, with no ``max_model_len`` set, lowered to what the pool holds (logged), so
+    that a request sending no ``max_tokens`` is served; a ``max_model_len`` set beyond the pool is refused."""
+    engine = llm.engine
+    blocks, block_size = engine.block_manager.num_device_blocks, engine.config.block_size
+    pool = blocks * block_size
+    if engine.max_model_len <= pool:
+        return engine.max_model_len
+    if engine.config.max_model_len is not None:
+        raise ValueError(f"max_model_len={engine.max_model_len} is more than the KV pool holds: {blocks} blocks of "
+                         f"{block_size} tokens, {pool} tokens, so a request that long could never run; raise "
+                         f"num_gpu_blocks (--num-gpu-blocks) to at least {-(-engine.max_model_len // block_size)}, "
+                         f"or lower max_model_len (--max-model-len) to at most {pool}")
+    logger.warning("the KV pool holds %d tokens (%d blocks of %d), less than the model's context of %d: serving a "
+                   "context of %d tokens; raise num_gpu_blocks (--num-gpu-blocks) for more", pool, blocks, block_size,
+                   engine.max_model_len, pool)
+    return pool
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,9 @@ from kvlib.serve.limits import RequestLimits
 START_TIMEOUT_S = 30.0
 
 
-def run_server(llm: LLM, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               limits: Optional[RequestLimits] = None) -> None:
-    """Serve until interrupted (Ctrl-C), then stop the engine loop."""
-    uvicorn.run(build_app(llm, model_name, limits), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve ``app`` (from ``build_app``) until interrupted (Ctrl-C), then stop the engine loop."""
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
 class BackgroundServer:
