@@ -16,7 +16,7 @@ from kvlib import LLM, EngineConfig
 from kvlib.serve.limits import RequestLimits
 from kvlib.serve.requests import ServedModel
 from kvlib.serve.server import BackgroundServer
-from serve_helpers import chat_model_folder
+from serve_helpers import chat_model_folder, scrape, settled_pools
 
 SMALL = RequestLimits(max_prompts=4, max_prompt_tokens=64, max_body_bytes=4096)
 
@@ -220,3 +220,56 @@ def test_kvlib_serve_refuses_a_max_model_len_beyond_the_pool_before_it_listens(c
     assert run(args) == 2
     out, err = capsys.readouterr()
     assert "at most 768" in err and "--num-gpu-blocks" in err and " on http://" not in out
+
+
+class FailingStep:
+    """Wraps ``engine.step``: raises while ``failing`` is set, as a device error would."""
+
+    def __init__(self, step):
+        self.step, self.failing = step, False
+
+    def __call__(self):
+        if self.failing:
+            raise RuntimeError("simulated device error")
+        return self.step()
+
+
+def test_health_recovers_once_the_engine_steps_again_with_no_client_request_in_between():
+    """A readiness probe that reads 503 sends no traffic; /health itself must find out that the engine recovered."""
+    llm = LLM("default", EngineConfig(num_gpu_blocks=32), verbose=False)
+    llm.engine.step = failing = FailingStep(llm.engine.step)
+    with BackgroundServer(llm, "default") as server:
+        assert completion(server, prompt=[5, 6, 7], max_tokens=3).status_code == 200
+        failing.failing = True
+        assert completion(server, prompt="Hi").status_code == 500
+        still = httpx.get(f"{server.url}/health")
+        assert still.status_code == 503 and "simulated device error" in still.json()["error"]["message"]
+        counted = scrape(server.url)
+        failing.failing = False
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        after = scrape(server.url)
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                     "vllm:time_to_first_token_seconds_count"):  # the health check's own step is no client's
+            assert after[name] == counted[name], name
+        assert settled_pools(server) == {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}
+
+
+def test_health_stays_503_while_steps_keep_failing_and_once_the_loop_stopped():
+    llm = LLM("default", EngineConfig(num_gpu_blocks=32), verbose=False)
+    llm.engine.step = failing = FailingStep(llm.engine.step)
+    with BackgroundServer(llm, "default") as server:
+        failing.failing = True
+        assert completion(server, prompt="Hi").status_code == 500
+        counted = scrape(server.url)
+        for _ in range(2):
+            reply = httpx.get(f"{server.url}/health")
+            assert reply.status_code == 503 and "simulated device error" in reply.json()["error"]["message"]
+        after = scrape(server.url)  # the probes that failed were aborted, and counted nowhere
+        for name in ("vllm:prompt_tokens_total", "kvlib:num_requests_aborted_total"):
+            assert after[name] == counted[name], name
+        failing.failing = False
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        server.engine_loop.stop()
+        reply = httpx.get(f"{server.url}/health")
+        assert reply.status_code == 503 and "not running" in reply.json()["error"]["message"]

@@ -58,7 +58,7 @@ def build_app(llm: LLM, model_name: str, limits: Optional[RequestLimits] = None)
     async def health():
         if not loop.alive:
             return _error("the engine loop is not running", 503)
-        if loop.last_error:
+        if loop.last_error and not await _probe(loop):
             return _error(f"the last engine step failed: {loop.last_error}", 503)
         return JSONResponse({"status": "ok"})
 
@@ -81,6 +81,14 @@ def build_app(llm: LLM, model_name: str, limits: Optional[RequestLimits] = None)
         return await _serve(request, loop, model, ChatCompletionRequest, chat_work, chat=True)
 
     return app
+
+
+async def _probe(loop: EngineLoop) -> bool:
+    """Whether the engine steps again, after a step failed: asked of the loop, so that /health recovers on its own."""
+    try:
+        return await asyncio.wrap_future(loop.probe())
+    except RuntimeError:  # the loop stopped meanwhile
+        return False
 
 
 def _error(message: str, status: int, param=None, code=None) -> JSONResponse:

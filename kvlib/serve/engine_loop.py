@@ -7,11 +7,14 @@ the first step that follows its add, when the engine did not reject it), then on
 that gave it tokens, the last one finished; or a single ``error`` (a rejection, or a step that raised).
 
 A step that raises fails every live request with that error (a 500 for the client, never a hang)
-and aborts them, so their blocks go back; the loop then waits for the next request.
+and aborts them, so their blocks go back; the loop then waits for the next request. Until a step
+succeeds again ``last_error`` holds the failure; ``probe`` asks whether the engine steps now (what
+``/health`` asks, so that a readiness probe, which sends no traffic, sees the engine recover).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -35,6 +38,8 @@ class EngineEvent:
 
 
 Sink = Callable[[EngineEvent], None]  # called on the engine thread; must only hand the event over
+PROBE_PROMPT = [0]  # a probe's prompt: one token, valid in every vocabulary
+PROBE_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
 class LoopObserver:
@@ -44,6 +49,8 @@ class LoopObserver:
     def token_gap(self, seconds: float) -> None: ...
     def finished(self, seconds: float, output: RequestOutput) -> None: ...
     def engine_changed(self, llm: LLM) -> None: ...
+    def uncounted(self, counts: dict[str, float]) -> None:
+        """What the engine's metrics counted for the loop's own probe (by field), which no client asked for."""
 
 
 @dataclass
@@ -65,6 +72,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stopping = False
         self._live: dict[str, _Live] = {}
+        self._probes: list[concurrent.futures.Future] = []  # answered after the next step, or by a probe of its own
+        self._probe_ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kvlib-engine-loop", daemon=True)
 
     # ---- called from any thread ---------------------------------------------------------------------
@@ -92,6 +101,13 @@ class EngineLoop:
         self._send(("call", fn, future))
         return future
 
+    def probe(self) -> concurrent.futures.Future:
+        """True once the engine has stepped without raising: the next step of the live requests, or, with none, a
+        one-token request of the loop's own, alone (its tokens are counted nowhere). False if that step raised."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(("probe", future))
+        return future
+
     def _send(self, command: tuple) -> None:
         if not self.alive:
             raise RuntimeError("the engine loop is not running; start the server first")
@@ -104,6 +120,8 @@ class EngineLoop:
         while not self._stopping:
             self._wake.clear()
             added = self._drain_inbox()
+            if self._probes and not self._live:
+                self._probe_alone()
             if not self._live:
                 self._wake.wait()
                 continue
@@ -113,9 +131,11 @@ class EngineLoop:
                 self._fail_all(exc)
                 continue
             self.last_error = None
+            self._answer_probes(True)
             self._observe_engine()  # first: a client that has its last token may scrape /metrics at once
             self._hand_out(outputs, added)
         self._fail_all(RuntimeError("the server is shutting down"), status=503)
+        self._answer_probes(False)
         self._refuse_inbox()
 
     def _drain_inbox(self) -> list[str]:
@@ -131,6 +151,8 @@ class EngineLoop:
                     added.append(command[1])
             elif kind == "abort":
                 self._abort(command[1])
+            elif kind == "probe":
+                self._probes.append(command[1])
             else:
                 self._call(*command[1:])
 
@@ -145,6 +167,8 @@ class EngineLoop:
                 command[4](EngineEvent("error", error="the server is shutting down", status=503))
             elif command[0] == "call":
                 command[2].set_exception(RuntimeError("the engine loop stopped"))
+            elif command[0] == "probe":
+                command[1].set_result(False)
 
     def _add(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> bool:
         try:
@@ -163,6 +187,33 @@ class EngineLoop:
             return
         self.llm.engine.abort_request(request_id)
         self._observe_engine()
+
+    def _probe_alone(self) -> None:
+        """Nothing is live: step a one-token request of the loop's own to learn whether the engine steps now."""
+        engine, before = self.llm.engine, _counters(self.llm.metrics)
+        request_id = f"kvlib-health-probe-{next(self._probe_ids)}"
+        try:
+            engine.add_request(request_id, PROBE_PROMPT, PROBE_PARAMS)
+            while engine.has_unfinished_requests():
+                engine.step()
+        except Exception as exc:  # noqa: BLE001 - the failure is the probe's answer
+            self.last_error = _describe(exc)
+            logger.error("%s (a health probe's own request)", self.last_error)
+            try:
+                engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - the engine already failed; its own error is the answer
+                pass
+        else:
+            self.last_error = None
+        after = _counters(self.llm.metrics)
+        self.observer.uncounted({name: after[name] - before[name] for name in before})
+        self._observe_engine()
+        self._answer_probes(self.last_error is None)
+
+    def _answer_probes(self, stepped: bool) -> None:
+        probes, self._probes = self._probes, []
+        for future in probes:
+            future.set_result(stepped)
 
     def _call(self, fn, future: concurrent.futures.Future) -> None:
         try:
@@ -219,7 +270,13 @@ class EngineLoop:
                 self.llm.engine.abort_request(request_id)
             except Exception:  # noqa: BLE001 - the engine already failed; its own error was reported
                 logger.exception("aborting %s after the engine failed raised too", request_id)
+        self._answer_probes(False)
         self._observe_engine()
+
+
+def _counters(metrics) -> dict[str, float]:
+    return {name: value for name, value in vars(metrics).items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)}
 
 
 def _describe(exc: BaseException) -> str:

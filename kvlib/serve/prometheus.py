@@ -80,6 +80,7 @@ class ServerMetrics(LoopObserver):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._snapshot: dict = {}
+        self._uncounted: dict[str, float] = {}  # what the engine counted for health probes, by metrics field
         labels = ["model_name"]
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Seconds from a request's arrival to its first "
                                "token", labels, registry=self.registry, buckets=TTFT_BUCKETS).labels(model_name)
@@ -103,7 +104,12 @@ class ServerMetrics(LoopObserver):
         self._success.labels(self.model_name, request_finish_reason(output)).inc()  # once per request, whatever n
 
     def engine_changed(self, llm: LLM) -> None:
-        self._snapshot = engine_snapshot(llm)
+        snapshot = engine_snapshot(llm)
+        self._snapshot = {key: value - self._uncounted.get(key, 0) for key, value in snapshot.items()}
+
+    def uncounted(self, counts: dict[str, float]) -> None:
+        for key, value in counts.items():
+            self._uncounted[key] = self._uncounted.get(key, 0) + value
 
     # ---- the collector, on a scrape -----------------------------------------------------------------
     def collect(self):
