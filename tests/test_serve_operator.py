@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -273,3 +278,93 @@ def test_health_stays_503_while_steps_keep_failing_and_once_the_loop_stopped():
         server.engine_loop.stop()
         reply = httpx.get(f"{server.url}/health")
         assert reply.status_code == 503 and "not running" in reply.json()["error"]["message"]
+
+
+class SlowStep:
+    """Wraps ``engine.step``: a device slow enough that a long stream is still open when the server stops."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def __call__(self):
+        time.sleep(0.02)
+        return self.step()
+
+
+@pytest.fixture
+def uvicorn_errors(caplog):
+    """What uvicorn logs at ERROR (its loggers do not propagate to pytest's handler)."""
+    errors = logging.getLogger("uvicorn.error")
+    errors.addHandler(caplog.handler)
+    with caplog.at_level(logging.WARNING):
+        yield caplog
+    errors.removeHandler(caplog.handler)
+
+
+def test_stopping_the_server_ends_every_open_stream_with_an_error_event_and_done(uvicorn_errors):
+    """Stopping is what SIGTERM and SIGINT do (uvicorn's handler sets should_exit, as stop() does here)."""
+    llm = LLM("default", EngineConfig(num_gpu_blocks=256, max_num_seqs=8), verbose=False)
+    llm.engine.step = SlowStep(llm.engine.step)
+    server = BackgroundServer(llm, "default").start()
+    streams, first_chunks = [], threading.Barrier(4)
+
+    def stream_one(index: int) -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120, json={
+                "model": "default", "prompt": [5, 6, 7 + index], "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}) as reply:
+            events, lines = [], reply.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line)
+                    break
+            first_chunks.wait(60)
+            events += [line for line in lines if line.startswith("data: ")]
+            streams.append(events)
+
+    clients = [threading.Thread(target=stream_one, args=(i,)) for i in range(3)]
+    for client in clients:
+        client.start()
+    first_chunks.wait(60)  # every stream is open and has its first tokens
+    server.stop()
+    for client in clients:
+        client.join()
+    assert len(streams) == 3
+    for events in streams:
+        assert events[-1] == "data: [DONE]"
+        last = json.loads(events[-2][len("data: "):])
+        assert "shutting down" in last["error"]["message"]
+    assert "Exception in ASGI application" not in uvicorn_errors.text
+    assert "Cancel" not in uvicorn_errors.text  # no stream outlived the grace period
+    ended = [r for r in uvicorn_errors.records if r.name == "kvlib.serve" and "shutting down" in r.getMessage()]
+    assert len(ended) == 1 and "3 open request" in ended[0].getMessage()
+
+
+@pytest.mark.parametrize("signal_name, exit_code", [("SIGTERM", -signal.SIGTERM), ("SIGINT", 130)])
+def test_a_signal_to_kvlib_serve_ends_the_open_stream_and_logs_one_line(signal_name, exit_code):
+    with socket.socket() as probe:  # a free port (kvlib serve prints the port it was given, so 0 would not do)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "kvlib.cli", "serve", "default", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            assert server.poll() is None, server.communicate()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": "default", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True, "stream": True}) as reply:
+            lines = (line for line in reply.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]
+            server.send_signal(getattr(signal, signal_name))
+            events += list(lines)
+        _, log = server.communicate(timeout=120)
+    finally:
+        server.kill()
+    assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+    assert log.count("shutting down: ending 1 open request(s)") == 1
+    assert server.returncode == exit_code

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from kvlib.llm import LLM
 from kvlib.serve import responses
-from kvlib.serve.engine_loop import EngineLoop
+from kvlib.serve.engine_loop import SHUTTING_DOWN, EngineLoop
 from kvlib.serve.generation import EngineFailure, Generation
 from kvlib.serve.prometheus import ServerMetrics
 from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
@@ -103,7 +103,7 @@ async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: 
     except BadRequest as err:
         return _error(err.message, err.status, err.param, err.code)
     if not loop.alive:
-        return _error("the server is shutting down", 503)
+        return _error(SHUTTING_DOWN, 503)
     gen = Generation(loop, work, model.tokenizer, "chatcmpl" if chat else "cmpl")
     async with _abort_on_disconnect(request, gen):
         refused = await gen.wait_accepted()

@@ -113,5 +113,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlib serve: {err}", file=sys.stderr)
         return 2
     print(f"kvlib serve: {name!r} on http://{args.host}:{args.port}/v1 (OpenAI API), metrics at /metrics; Ctrl-C stops")
-    run_server(app, args.host, args.port, args.log_level)
+    try:
+        run_server(app, args.host, args.port, args.log_level)
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has shut down: no traceback for it
+        return 130
     return 0

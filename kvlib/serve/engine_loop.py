@@ -38,6 +38,7 @@ class EngineEvent:
 
 
 Sink = Callable[[EngineEvent], None]  # called on the engine thread; must only hand the event over
+SHUTTING_DOWN = "the server is shutting down"
 PROBE_PROMPT = [0]  # a probe's prompt: one token, valid in every vocabulary
 PROBE_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -81,19 +82,28 @@ class EngineLoop:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """End every live request (an error event, status 503) and stop the thread; later calls do nothing."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self._refuse_inbox()  # a command sent while the thread was ending
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Queue a request; once the loop is stopping, its one event is an error (503) instead."""
+        if not self.alive:
+            sink(EngineEvent("error", error=SHUTTING_DOWN, status=503))
+            return
         self._send(("add", request_id, prompt, params, sink))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        """Abort a request; once the loop is stopping, nothing to do: stopping ends every request."""
+        if self.alive:
+            self._send(("abort", request_id))
 
     def call(self, fn: Callable[[LLM], object]) -> concurrent.futures.Future:
         """Run ``fn(llm)`` on the engine thread between two steps (to inspect the engine safely)."""
@@ -128,13 +138,14 @@ class EngineLoop:
             try:
                 outputs = self.llm.engine.step()
             except Exception as exc:  # noqa: BLE001 - any failure must reach the clients, not kill the loop
-                self._fail_all(exc)
+                self._fail_all(_describe(exc))
                 continue
             self.last_error = None
             self._answer_probes(True)
             self._observe_engine()  # first: a client that has its last token may scrape /metrics at once
             self._hand_out(outputs, added)
-        self._fail_all(RuntimeError("the server is shutting down"), status=503)
+        logger.warning("%s: ending %d open request(s) with an error", SHUTTING_DOWN, len(self._live))
+        self._fail_all(SHUTTING_DOWN, status=503)
         self._answer_probes(False)
         self._refuse_inbox()
 
@@ -164,7 +175,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if command[0] == "add":
-                command[4](EngineEvent("error", error="the server is shutting down", status=503))
+                command[4](EngineEvent("error", error=SHUTTING_DOWN, status=503))
             elif command[0] == "call":
                 command[2].set_exception(RuntimeError("the engine loop stopped"))
             elif command[0] == "probe":
@@ -258,8 +269,7 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - a metrics failure must not stop serving
             logger.exception("recording the engine's metrics failed")
 
-    def _fail_all(self, exc: BaseException, status: int = 500) -> None:
-        message = _describe(exc)
+    def _fail_all(self, message: str, status: int = 500) -> None:
         if status == 500:
             self.last_error = message
             logger.error("%s; failing %d live request(s)", message, len(self._live))

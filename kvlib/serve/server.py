@@ -6,6 +6,7 @@ lets the caller inspect the engine safely between steps while it serves.
 """
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -21,9 +22,24 @@ from kvlib.serve.limits import RequestLimits
 START_TIMEOUT_S = 30.0
 
 
+class EndingServer(uvicorn.Server):
+    """uvicorn's server, which on shutdown (SIGTERM, SIGINT, ``should_exit``) first stops the engine loop: every open
+    request ends at once, a stream with an ``error`` event and ``[DONE]``, a whole response with a 503. Only
+    then does uvicorn wait for the connections to close, which they now do, well inside its grace period."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.engine_loop.stop)
+        await super().shutdown(sockets)
+
+
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` (from ``build_app``) until interrupted (Ctrl-C), then stop the engine loop."""
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    """Serve ``app`` (from ``build_app``) until SIGTERM or SIGINT (Ctrl-C), then end the open requests and stop."""
+    EndingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5),
+                 app.state.engine_loop).run()
 
 
 class BackgroundServer:
@@ -37,7 +53,8 @@ class BackgroundServer:
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5))
+        self._server = EndingServer(uvicorn.Config(self.app, log_level=log_level, timeout_graceful_shutdown=5),
+                                    self.engine_loop)
         self._thread: Optional[threading.Thread] = None
 
     @property
