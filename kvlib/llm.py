@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -29,6 +30,7 @@ class LLM:
                  verbose: bool = True, **pieces):
         self.engine = LLMEngine(model, config, verbose=verbose, **pieces)
         self._ids = itertools.count()
+        self._generating = threading.Lock()  # held by the one generate() running
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -47,8 +49,20 @@ class LLM:
 
         Requests added with ``engine.add_request`` keep their place: their outputs from the steps
         this call runs come back from the next ``engine.step()``. Should anything raise, this call's
-        own requests are aborted, so the ``LLM`` stays usable.
+        own requests are aborted, so the ``LLM`` stays usable. One call at a time: a call from a second
+        thread while one runs raises ``RuntimeError`` at once (the engine is not thread-safe).
         """
+        if not self._generating.acquire(blocking=False):
+            raise RuntimeError("LLM.generate() is already running in another thread, and one engine steps for one "
+                               "caller at a time: pass all the prompts to one call (they are batched together), "
+                               "build one LLM per thread, or serve this one with kvlib serve, whose one loop takes "
+                               "requests from any number of clients")
+        try:
+            return self._generate(prompts, params, progress)
+        finally:
+            self._generating.release()
+
+    def _generate(self, prompts, params, progress: bool) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         per_prompt = _as_params_list(params, len(prompts))
         ids = [self._new_id() for _ in prompts]
