@@ -117,13 +117,18 @@ class AttentionBackend(Protocol):
 class BlockSharing(Protocol):
     """How sequences share blocks (``LLM(block_sharing=...)``).
 
-    ``fork`` returns a child's block table: the parent's blocks, each with one more owner through
-    ``allocator.fork``; it copies no K/V. ``make_writable`` is called before a sequence writes into
-    ``blocks[index]`` while someone else holds it: it takes a new block with ``take_block()``,
-    drops the writer's reference to the old one, puts the new one at ``blocks[index]`` and returns
-    ``(old, new)``, the copy the engine must make; it returns None for a block only the writer
-    holds. The engine guarantees the copy runs before the step's forward pass, reading what the
-    old block held when the step began.
+    ``fork(allocator, blocks)`` returns the block table of a child that reads, position for position,
+    what ``blocks`` reads, and grows independently of it from then on; it copies no K/V and allocates
+    nothing. ``make_writable(allocator, blocks, index, take_block)`` runs before a step writes into
+    ``blocks[index]``; when it returns, that entry is a block no other table holds, and it returns the
+    ``(source, destination)`` copy that makes the entry hold what it held before, or None where
+    nothing needs copying.
+
+    Must keep true: every block's reference count equals the tables that hold it (plus the prefix
+    cache's own while it keeps the block); no other entry of ``blocks``, and no other table, changes;
+    a new block comes from ``take_block()`` (one owner; it may evict a cached block nobody uses to
+    make room), never from ``allocator.allocate()``. The engine guarantees each copy runs before the
+    step's forward pass, reading what the source held when the step began.
     """
 
     def fork(self, allocator: BlockAllocator, blocks: list[int]) -> list[int]: ...

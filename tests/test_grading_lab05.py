@@ -95,3 +95,35 @@ def test_the_solution_gets_full_marks_in_the_sandbox():
     report = grade_notebook(SOLUTION, seed=5)
     assert report.full_marks, report.table()
     assert [(t.task, t.points) for t in report.tasks] == [("fork", 5), ("copy_on_write", 8), ("engine", 9)]
+
+
+class KeepsTheOldReference(Correct):
+    """Calls take_block() as it should, but never gives up the writer's reference to the old block."""
+
+    def make_writable(self, allocator, blocks, index, take_block):
+        if allocator.ref_count(blocks[index]) < 2:
+            return None
+        old, blocks[index] = blocks[index], take_block()
+        return old, blocks[index]
+
+
+class AllocatesItself(Correct):
+    def make_writable(self, allocator, blocks, index, take_block):
+        if allocator.ref_count(blocks[index]) < 2:
+            return None
+        old, blocks[index] = blocks[index], allocator.allocate()
+        allocator.free(old)
+        return old, blocks[index]
+
+
+def test_each_copy_on_write_hint_names_the_mistake_its_check_saw():
+    """An attempt that called take_block() but kept its reference to the old block failed uses_take_block with the
+    hint "get the new block by calling take_block(), never allocator.allocate()", which it did."""
+    for seed in (1, 7):
+        failed = {r.name: r for r in lab05.copy_on_write.verdicts(KeepsTheOldReference, seed) if r.status != "pass"}
+        assert "uses_take_block" not in failed, failed["uses_take_block"].message
+        assert set(failed) == {"shared_block_gets_a_copy", "every_writer_gets_its_own"}, (seed, set(failed))
+        assert all("reference" in r.hint for r in failed.values()), [r.hint for r in failed.values()]
+        allocating = {r.name: r for r in lab05.copy_on_write.verdicts(AllocatesItself, seed) if r.status != "pass"}
+        assert "uses_take_block" in allocating and "every_writer_gets_its_own" not in allocating, (seed, set(allocating))
+        assert "never allocator.allocate()" in allocating["uses_take_block"].hint

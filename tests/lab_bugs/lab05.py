@@ -18,7 +18,7 @@ BUGS = [
         "copy_on_write/shared_block_gets_a_copy", *ENGINE),
     bug("the writer keeps its reference to the old block",
         [("        allocator.free(old)\n", "")],
-        "copy_on_write/shared_block_gets_a_copy", *ENGINE),
+        "copy_on_write/shared_block_gets_a_copy", "copy_on_write/every_writer_gets_its_own", *ENGINE),
     bug("the copy is returned backwards",
         [("        return old, new\n", "        return new, old\n")],
         "copy_on_write/shared_block_gets_a_copy", "engine/seeded_samples"),
