@@ -3,12 +3,15 @@
 Every request comes back whole and token-exact (greedy outputs do not depend on preemption),
 ``/metrics`` shows the preemptions, and afterwards the pools hold nothing. A disconnect storm
 (clients closing mid-stream, or leaving before their first token) aborts every request it leaves
-behind, frees every block, and the server goes on serving. TTFT and stutter percentiles are
-printed (``pytest -s``) as the run measured them; no test judges a timing.
+behind, frees every block, and the server goes on serving. A hostile client (a 16 MB body, 10,000
+prompts in one request, a 6 MB prompt) is refused beside 32 streaming clients while ``/health``
+answers throughout. TTFT, stutter and ``/health`` percentiles are printed (``pytest -s``) as the run
+measured them; no test judges a timing.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 
@@ -140,3 +143,81 @@ def test_a_client_that_leaves_a_whole_request_while_it_runs_aborts_it(server):
     metrics = ended_requests(server.url, 1)
     assert settled_pools(server) == EMPTY
     assert (metrics["kvlib:num_requests_aborted_total"], metrics.get("vllm:request_success_total", 0)) == (1, 0)
+
+
+HOSTILE_ROUNDS = 3
+
+
+async def hostile(client: httpx.AsyncClient, done: asyncio.Event) -> list[str]:
+    """Requests no server should queue, sent until the ordinary clients are done (at least once each, bounded):
+    a 16 MB body, 10,000 prompts in one request, and a 6 MB text prompt within the body limit."""
+    huge = json.dumps({"model": "default", "prompt": "x" * 16_000_000}).encode()
+    outcomes = []
+    for _ in range(HOSTILE_ROUNDS):
+        try:
+            reply = await client.post("/v1/completions", content=huge, headers={"content-type": "application/json"})
+            outcomes.append(str(reply.status_code))
+        except httpx.TransportError:  # the server may close the connection on a body it would not read
+            outcomes.append("closed")
+        many = await client.post("/v1/completions", json={"model": "default", "prompt": [[5, 6, 7]] * 10_000})
+        text = await client.post("/v1/completions", json={"model": "default", "prompt": "a few words " * 500_000})
+        outcomes += [many.json()["error"]["code"], text.json()["error"]["code"]]
+        if done.is_set():
+            break
+    return outcomes
+
+
+async def poll_health(client: httpx.AsyncClient, done: asyncio.Event) -> list[tuple[int, float]]:
+    """/health asked over and over while the clients run: (status, seconds it took), the timing only reported."""
+    answers = []
+    while not done.is_set():
+        start = time.perf_counter()
+        reply = await client.get("/health")
+        answers.append((reply.status_code, time.perf_counter() - start))
+        await asyncio.sleep(0.005)
+    return answers
+
+
+def run_clients(server, requests, with_hostile: bool) -> tuple[list[dict], list[str], list[tuple[int, float]]]:
+    async def run():
+        done = asyncio.Event()
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client, \
+                httpx.AsyncClient(base_url=server.url, timeout=120) as raw, \
+                httpx.AsyncClient(base_url=server.url, timeout=120) as prober:
+            attack = asyncio.create_task(hostile(raw, done)) if with_hostile else None
+            health = asyncio.create_task(poll_health(prober, done))
+            results = await asyncio.gather(*(stream_one(client, p, m) for p, m in requests))
+            done.set()
+            return results, (await attack if attack else []), await health
+
+    return asyncio.run(run())
+
+
+def test_a_hostile_client_beside_32_streaming_clients_is_refused_and_holds_nobody_up():
+    """Every hostile request is refused by a limit before it reaches the engine, the 32 ordinary streams come back
+    whole and token-exact, and /health answers 200 all along (its latency and the clients' TTFT are printed with
+    and without the hostile client, for ``pytest -s``; no test judges them)."""
+    requests = workload(32, seed=4)
+    oracle = LLM("default", EngineConfig(block_size=8, num_gpu_blocks=512, max_num_seqs=32), verbose=False)
+    expected = oracle.generate([p for p, _ in requests], [SamplingParams(max_tokens=m, ignore_eos=True)
+                                                         for _, m in requests])
+    config = EngineConfig(block_size=8, num_gpu_blocks=32, num_cpu_blocks=64, preemption_mode="swap", max_num_seqs=16)
+    with BackgroundServer(LLM("default", config, verbose=False), "default") as server:
+        quiet, _, quiet_health = run_clients(server, requests, with_hostile=False)
+        prompt_tokens = scrape(server.url)["vllm:prompt_tokens_total"]
+        results, outcomes, health = run_clients(server, requests, with_hostile=True)
+        metrics = scrape(server.url)
+        assert settled_pools(server) == EMPTY
+    assert [r["tokens"] for r in results] == [e.token_ids for e in expected] == [r["tokens"] for r in quiet]
+    rounds = len(outcomes) // 3
+    assert 1 <= rounds <= HOSTILE_ROUNDS
+    assert all(o in ("413", "closed") for o in outcomes[0::3])
+    assert outcomes[1::3] == ["too_many_prompts"] * rounds and outcomes[2::3] == ["too_many_prompt_tokens"] * rounds
+    assert metrics["vllm:prompt_tokens_total"] == 2 * prompt_tokens  # the ordinary clients' twice, nothing else
+    assert health and all(status == 200 for status, _ in health)
+    report("32 clients alone:", quiet)
+    report("32 clients beside a hostile one:", results)
+    for label, answers in (("alone", quiet_health), ("beside the hostile client", health)):
+        seconds = sorted(s for _, s in answers)
+        print(f"/health {label}: {len(seconds)} answers, p50 {1e3 * percentile(seconds, 50):.1f} ms, "
+              f"p99 {1e3 * percentile(seconds, 99):.1f} ms, max {1e3 * seconds[-1]:.1f} ms")

@@ -144,7 +144,8 @@ class EngineLoop:
             self._answer_probes(True)
             self._observe_engine()  # first: a client that has its last token may scrape /metrics at once
             self._hand_out(outputs, added)
-        logger.warning("%s: ending %d open request(s) with an error", SHUTTING_DOWN, len(self._live))
+        logger.log(logging.WARNING if self._live else logging.INFO, "%s: ending %d open request(s) with an error",
+                   SHUTTING_DOWN, len(self._live))
         self._fail_all(SHUTTING_DOWN, status=503)
         self._answer_probes(False)
         self._refuse_inbox()
