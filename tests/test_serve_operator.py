@@ -368,3 +368,11 @@ def test_a_signal_to_kvlib_serve_ends_the_open_stream_and_logs_one_line(signal_n
     assert "Traceback" not in log and "Exception in ASGI application" not in log
     assert log.count("shutting down: ending 1 open request(s)") == 1
     assert server.returncode == exit_code
+
+
+def test_too_many_stop_token_ids_get_a_400(small):
+    """The engine looks each new token up in the list on every step: a long one would slow every request."""
+    reply = completion(small, prompt=[5, 6], stop_token_ids=list(range(257)))
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stop_token_ids"
+    assert "at most 256" in reply.json()["error"]["message"]
+    assert completion(small, prompt=[5, 6], stop_token_ids=list(range(256))).status_code == 200

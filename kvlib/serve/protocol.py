@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+MAX_STOP_TOKEN_IDS = 256  # each new token is looked up in them at every step: a long list slows every request
 UNSUPPORTED = {  # field: the values that mean "off", which are accepted (as vLLM accepts them)
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "best_of": (None, 1), "suffix": (None,),
     "logit_bias": (None, {}), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "tools": (None,),

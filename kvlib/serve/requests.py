@@ -16,7 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from kvlib.config import MAX_SEED, SamplingParams
 from kvlib.llm import LLM
 from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
-from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, MAX_STOP_STRINGS, SamplingFields
+from kvlib.serve.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, MAX_STOP_STRINGS,
+                                  MAX_STOP_TOKEN_IDS, SamplingFields)
 from kvlib.tokenizer import unicode_problem
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
@@ -198,6 +199,9 @@ def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optiona
     stops = request.stop_strings
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {request.stop!r}", param="stop")
+    if len(request.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}",
+                         param="stop_token_ids")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=request.n,
                                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []),
