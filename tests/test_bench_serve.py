@@ -8,7 +8,7 @@ from kvlib.cli.bench import serve
 
 FIELDS = ["requests", "completed", "failed", "seconds", "requests/s", "output tokens", "output tokens/s",
           *(f"{m} p{q} ms" for m in ("TTFT", "TPOT", "E2E") for q in (50, 90, 99)), "preemptions", "peak KV usage",
-          "errors", "timeline"]
+          "/health p50 ms", "/health p99 ms", "/health max ms", "hostile requests", "errors", "timeline"]
 
 
 def test_arrivals_are_seeded_poisson_gaps_or_all_at_once():
@@ -28,6 +28,7 @@ def test_a_tiny_run_reports_every_field_and_saves_the_timeline(tmp_path):
     lengths = [m for _, m in serve.workload(6, scale=16, seed=0)]
     assert report["output tokens"] == sum(lengths)
     assert all(report[f] is not None for f in FIELDS if f.endswith(" ms") and not f.startswith("TPOT"))
+    assert report["hostile requests"] is None
     timeline = json.loads(path.read_text())
     assert len(timeline) >= 2 and set(timeline[0]) == {"seconds", "gpu_cache_usage", "cpu_cache_usage", "running",
                                                         "waiting", "swapped", "preemptions"}
@@ -44,3 +45,13 @@ def test_the_command_prints_the_report_and_draws_a_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Serving: 3 requests" in out and all(f in out for f in ("TTFT p99 ms", "TPOT p50 ms", "preemptions"))
     assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_hostile_client_is_refused_and_reported_beside_the_requests():
+    report = serve.run_serve_bench(num_requests=4, rate=math.inf, scale=16, num_gpu_blocks=12, num_cpu_blocks=24,
+                                   sample_interval=0.02, hostile=True)
+    assert (report["completed"], report["failed"]) == (4, 0)
+    kinds = {kind: int(count) for count, kind in (part.split(" x ") for part in report["hostile requests"].split(", "))}
+    assert set(kinds) <= {"413 request_too_large", "closed", "400 too_many_prompts", "400 too_many_prompt_tokens"}
+    assert {"400 too_many_prompts", "400 too_many_prompt_tokens"} <= set(kinds)
+    assert report["/health p50 ms"] <= report["/health p99 ms"] <= report["/health max ms"]

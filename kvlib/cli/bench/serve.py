@@ -10,7 +10,11 @@
 - Measured at the client: TTFT (request sent to first token), TPOT (the time per output token after
   the first), end-to-end latency; p50, p90 and p99. Preemptions are the growth of
   ``vllm:num_preemptions_total`` over the run. ``/metrics`` is sampled every ``--sample-interval``
-  seconds into the KV-usage timeline, saved as JSON, or drawn when the path ends in ``.png``.
+  seconds into the KV-usage timeline, saved as JSON, or drawn when the path ends in ``.png``; ``/health``
+  is asked at each sample, and how long it took to answer is reported too.
+- ``--hostile``: beside the ordinary requests, a client sends what no server should queue (a 16 MB
+  body, 10,000 prompts in one request, a 6 MB text prompt) until they are done; what it got is
+  reported, and the ordinary requests' figures show what it cost them.
 """
 from __future__ import annotations
 
@@ -81,22 +85,64 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
             "tpot": (end - first) / (tokens - 1) if tokens > 1 else None}
 
 
+async def hostile_client(client: httpx.AsyncClient, done: asyncio.Event, model: str = "default",
+                         rounds: int = 3) -> list[str]:
+    """Requests no server should queue, sent until ``done`` is set (each at least once, ``rounds`` times at most): a
+    16 MB body, 10,000 prompts in one request, a 6 MB text prompt. What each got: its status and error code, or
+    ``closed`` (the server closed the connection on a body it would not read) or ``timeout`` (60 s)."""
+    bodies = [json.dumps({"model": model, "prompt": "x" * 16_000_000}).encode(),
+              json.dumps({"model": model, "prompt": [[5, 6, 7]] * 10_000}).encode(),
+              json.dumps({"model": model, "prompt": "a few words " * 500_000}).encode()]
+    outcomes = []
+    for _ in range(rounds):
+        for body in bodies:
+            try:
+                reply = await client.post("/v1/completions", content=body, timeout=60.0,
+                                          headers={"content-type": "application/json"})
+            except httpx.TimeoutException:
+                outcomes.append("timeout")
+            except httpx.TransportError:
+                outcomes.append("closed")
+            else:
+                outcomes.append(f"{reply.status_code} {_error_code(reply)}".strip())
+        if done.is_set():
+            break
+    return outcomes
+
+
+def _error_code(reply: httpx.Response) -> str:
+    """The ``code`` of an OpenAI error body, or nothing."""
+    try:
+        error = reply.json().get("error")
+    except (ValueError, AttributeError):
+        return ""
+    return str(error.get("code") or "") if isinstance(error, dict) else ""
+
+
 async def scrape(client: httpx.AsyncClient) -> dict:
     text = (await client.get("/metrics")).text
     samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
     return {key: samples.get(name, 0.0) for name, key in TIMELINE_METRICS.items()}
 
 
-async def drive(url: str, requests: list[tuple[list[int], int]], arrivals: list[float],
-                sample_interval: float) -> tuple[list[dict], list[dict], float]:
-    """Send each request at its arrival time while sampling ``/metrics``; results, timeline, seconds."""
+async def health_seconds(client: httpx.AsyncClient) -> float:
+    start = time.perf_counter()
+    (await client.get("/health")).raise_for_status()
+    return time.perf_counter() - start
+
+
+async def drive(url: str, requests: list[tuple[list[int], int]], arrivals: list[float], sample_interval: float,
+                hostile: bool = False) -> tuple[list[dict], list[dict], float, list[float], list[str]]:
+    """Send each request at its arrival time while sampling ``/metrics`` and ``/health`` (and, with ``hostile``,
+    beside a hostile client); results, timeline, seconds, /health's answer times, the hostile client's outcomes."""
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        start, timeline, done = time.perf_counter(), [], asyncio.Event()
+        start, timeline, health, done = time.perf_counter(), [], [], asyncio.Event()
 
         async def sample() -> None:
             while not done.is_set():
+                health.append(await health_seconds(client))
                 timeline.append({"seconds": time.perf_counter() - start, **await scrape(client)})
                 try:
                     await asyncio.wait_for(done.wait(), sample_interval)
@@ -109,14 +155,17 @@ async def drive(url: str, requests: list[tuple[list[int], int]], arrivals: list[
             return await one_request(client, model, prompt, max_tokens)
 
         sampler = asyncio.create_task(sample())
+        attack = asyncio.create_task(hostile_client(client, done, model)) if hostile else None
         results = await asyncio.gather(*(send(at, p, m) for at, (p, m) in zip(arrivals, requests)))
         seconds = time.perf_counter() - start
         done.set()
         await sampler
-    return list(results), timeline, seconds
+        outcomes = await attack if attack else []
+    return list(results), timeline, seconds, health, outcomes
 
 
-def summarize(results: list[dict], timeline: list[dict], seconds: float) -> dict:
+def summarize(results: list[dict], timeline: list[dict], seconds: float, health: list[float],
+              outcomes: list[str]) -> dict:
     ok = [r for r in results if "error" not in r]
     report = {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
               "seconds": seconds, "requests/s": len(ok) / seconds,
@@ -129,6 +178,12 @@ def summarize(results: list[dict], timeline: list[dict], seconds: float) -> dict
             report[f"{key.upper()} p{q} ms"] = None if value is None else 1e3 * value
     report["preemptions"] = int(timeline[-1]["preemptions"] - timeline[0]["preemptions"]) if timeline else None
     report["peak KV usage"] = max((s["gpu_cache_usage"] for s in timeline), default=None)
+    health = sorted(health)
+    for q in (50, 99):
+        value = percentile(health, q)
+        report[f"/health p{q} ms"] = None if value is None else 1e3 * value
+    report["/health max ms"] = 1e3 * health[-1] if health else None
+    report["hostile requests"] = ", ".join(f"{outcomes.count(o)} x {o}" for o in dict.fromkeys(outcomes)) or None
     report["errors"] = sorted({r["error"] for r in results if "error" in r})[:3]
     return report
 
@@ -158,7 +213,7 @@ def save_timeline(timeline: list[dict], path: Path) -> Path:
 
 def run_serve_bench(url: Optional[str] = None, num_requests: int = 64, rate: float = 16.0, scale: int = 4,
                     seed: int = 0, num_gpu_blocks: int = 48, num_cpu_blocks: int = 96, preemption_mode: str = "swap",
-                    sample_interval: float = 0.1, timeline_path: Optional[str] = None) -> dict:
+                    sample_interval: float = 0.1, timeline_path: Optional[str] = None, hostile: bool = False) -> dict:
     """The report as a dict; ``url=None`` serves the built-in model in this process for the run."""
     requests = workload(num_requests, scale, seed)
     arrivals = poisson_arrivals(num_requests, rate, seed)
@@ -169,10 +224,11 @@ def run_serve_bench(url: Optional[str] = None, num_requests: int = 64, rate: flo
         config = EngineConfig(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                               preemption_mode=preemption_mode, max_num_seqs=max(num_requests, 1))
         with BackgroundServer(LLM("default", config, verbose=False), "default") as server:
-            results, timeline, seconds = asyncio.run(drive(server.url, requests, arrivals, sample_interval))
+            measured = asyncio.run(drive(server.url, requests, arrivals, sample_interval, hostile))
     else:
-        results, timeline, seconds = asyncio.run(drive(url.rstrip("/"), requests, arrivals, sample_interval))
-    report = summarize(results, timeline, seconds)
+        measured = asyncio.run(drive(url.rstrip("/"), requests, arrivals, sample_interval, hostile))
+    results, timeline, seconds, health, outcomes = measured
+    report = summarize(results, timeline, seconds, health, outcomes)
     report["timeline"] = str(save_timeline(timeline, Path(timeline_path))) if timeline_path else None
     return report
 
@@ -194,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sample-interval", type=float, default=0.1, help="seconds between two samples of /metrics")
     parser.add_argument("--timeline", default="kvlib-output/serve_timeline.json",
                         help="where the KV-usage timeline is saved (.json: the samples; .png: a plot)")
+    parser.add_argument("--hostile", action="store_true",
+                        help="send, beside the requests, a 16 MB body, 10,000 prompts in one request and a 6 MB "
+                             "prompt, until the requests are done")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads of the in-process server (0: torch's default)")
     return parser
@@ -205,7 +264,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torch
         torch.set_num_threads(args.threads)
     report = run_serve_bench(args.url, args.num_requests, args.rate, args.scale, args.seed, args.num_gpu_blocks,
-                             args.num_cpu_blocks, args.preemption_mode, args.sample_interval, args.timeline)
+                             args.num_cpu_blocks, args.preemption_mode, args.sample_interval, args.timeline,
+                             args.hostile)
     target = args.url or (f"the built-in model in this process, {args.num_gpu_blocks} device blocks, "
                           f"{args.num_cpu_blocks} host blocks, {args.preemption_mode}")
     errors = report.pop("errors")
