@@ -171,11 +171,22 @@ class EngineMetrics:
             ax.scatter(marks, [0] * len(marks), marker="v", color="red", label="preemption", zorder=3)
         ax.set_xlabel("engine step" if x == "step" else "seconds")
         ax.set_ylabel("KV blocks")
-        ax.legend(loc="upper right", fontsize=8)
+        _counts_on_axes(ax, integer_x=x == "step")
+        highest = max([s.gpu_blocks_total for s in timeline[:1]] + [s.cpu_blocks_used for s in timeline] + [1])
+        ax.set_ylim(bottom=-0.04 * highest, top=1.45 * highest)  # a band above the curves for the legend
+        ax.legend(loc="upper center", ncol=2, fontsize=8)
         if path is not None:
             ax.figure.tight_layout()
             ax.figure.savefig(path, dpi=120)
         return ax
+
+
+def _counts_on_axes(ax, integer_x: bool) -> None:
+    """Whole-number ticks where the axis counts (blocks; steps), never 2.5 blocks."""
+    from matplotlib.ticker import MaxNLocator
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    if integer_x:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def percentile(sorted_values: list[float], q: float) -> Optional[float]:

@@ -12,7 +12,7 @@ The convention a lesson follows, so that a learner and this test read an exercis
 * the check is the last code cell before the answer (the exercise cell itself, or a later one),
   and prints a line starting with ``Right`` when the answer passes.
 
-Each lesson runs once, up to its last check (lessons 06, 07 and 09 in the second of the two runs
+Each lesson runs once, up to its last check (lessons 04, 06, 07, 08 and 09 in the second of the two runs
 tests/test_lesson_verdicts.py makes of them), with every answer put in place of the statements that
 bind the same names, so a check that rejects the lesson's own answer fails here, and so does an
 exercise whose answer cannot be found.
@@ -162,7 +162,7 @@ def test_every_exercise_passes_its_check_with_the_answer_shown(lesson):
 
 
 def test_the_lessons_run_twice_check_their_exercises_in_their_second_run():
-    """Lessons 06, 07 and 09 answer their exercises in tests/test_lesson_verdicts.py's second run, not here."""
+    """Lessons 04, 06, 07, 08 and 09 answer their exercises in tests/test_lesson_verdicts.py's second run, not here."""
     import test_lesson_verdicts
     for number in TIMED_TWICE:
         assert issubclass(getattr(test_lesson_verdicts, f"TestLesson{number}"), test_lesson_verdicts.LessonRuns), number

@@ -1,8 +1,10 @@
 """README.md's install block is what CI runs, and it installs the CPU build of torch before kvlib."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +41,23 @@ def test_the_readme_promises_no_package_that_an_index_does_not_hold():
     readme = (ROOT / "README.md").read_text()
     assert not re.search(r"pip install [\"']?kvlib\b", readme)
     assert "git+" not in readme
+
+
+def test_the_kernel_is_registered_in_this_environment_not_over_the_users_python3():
+    """``--user --name python3`` replaced the python3 kernel of every Jupyter the user has with this environment's."""
+    kernel = [line for line in readme_install_block() if "ipykernel install" in line]
+    assert kernel == ["python -m ipykernel install --sys-prefix"]
+    conda = (ROOT / "environment.yml").read_text()
+    assert "ipykernel install --sys-prefix" in conda and "--user" not in conda
+
+
+def test_the_readmes_first_snippet_run_as_a_script_saves_its_picture(tmp_path):
+    """In a script, ``llm.metrics.plot()`` showed and saved nothing; the snippet must leave what it promises."""
+    readme = (ROOT / "README.md").read_text()
+    snippet = re.search(r"^```python\n(.*?)^```$", readme, re.S | re.M).group(1)
+    assert "plot(" in snippet
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    pictures = list(tmp_path.glob("*.png"))
+    assert len(pictures) == 1 and pictures[0].stat().st_size > 0

@@ -1,4 +1,4 @@
-"""Lessons 06, 07 and 09: every verdict they print follows from their measurements, and holds on a second run.
+"""Lessons 04, 06, 07, 08 and 09: every verdict they print follows from their measurements, and holds on a second run.
 
 Lessons 07 and 09 keep what they conclude in ``verdicts`` and what they measured in ``evidence``. The
 test runs each lesson, reads both back, and recomputes every verdict from the evidence on its own, so
@@ -151,8 +151,18 @@ class LessonRuns:
             answered["exercises missed"]
 
 
+class TestLesson04(LessonRuns):
+    """The knobs' table: a verdict on a time names a winner only where three paired runs settle it."""
+    NAME, MIN_EXERCISES, MIN_VERDICTS = "04_engine_loop.ipynb", 2, 10
+
+
 class TestLesson06(LessonRuns):
     NAME, MIN_EXERCISES, MIN_VERDICTS = LESSON_06, 1, 8
+
+
+class TestLesson08(LessonRuns):
+    """Four remedies for one workload, each served three times in turns: its verdicts on times are paired."""
+    NAME, MIN_EXERCISES, MIN_VERDICTS = "08_preemption_metrics.ipynb", 1, 6
 
 
 class TestLesson07(LessonRuns):

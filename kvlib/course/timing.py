@@ -67,7 +67,7 @@ def decide(rounds: Mapping[str, list[float]], margin: float = MARGIN) -> Optiona
 
 def compare(options: Mapping[str, Callable[[], object]], *, min_rounds: int = 7, max_rounds: int = 25,
             budget_s: float = 5.0, margin: float = MARGIN, until: str = "decided",
-            clock: Callable[[], float] = time.perf_counter) -> Comparison:
+            clock: Callable[[], float] = time.perf_counter, progress: Optional[str] = None) -> Comparison:
     """Time each option once per round, alternating their order, until ``until`` holds or the budget is spent.
 
     Raises ValueError for fewer than two options or an unknown ``until``.
@@ -75,26 +75,43 @@ def compare(options: Mapping[str, Callable[[], object]], *, min_rounds: int = 7,
     ``until="decided"`` stops as soon as a winner is clear; ``until="spread"`` keeps going to
     ``max_rounds`` or ``budget_s`` (for costs read with :meth:`Comparison.extra`). Each option runs
     once untimed first, so a first call's compilation or allocation is not in any round.
+    ``progress``: a label for a bar over the rounds (up to ``max_rounds``; full when the rounds stop).
     """
     if until not in ("decided", "spread"):
         raise ValueError(f"until must be 'decided' or 'spread', got {until!r}")
     if len(options) < 2:
         raise ValueError(f"compare needs two or more options to compare, got {list(options)}")
-    for run in options.values():
-        run()
-    names = list(options)
-    rounds: dict[str, list[float]] = {name: [] for name in names}
-    start = clock()
-    for index in range(max_rounds):
-        for name in (names if index % 2 == 0 else names[::-1]):
-            began = clock()
-            options[name]()
-            rounds[name].append(clock() - began)
-        done = index + 1 >= min_rounds and (
-            clock() - start > budget_s or (until == "decided" and decide(rounds, margin) is not None))
-        if done:
-            break
+    bar = None
+    if progress is not None:
+        from kvlib.course.progress import run_bar
+        bar = run_bar(1 + max_rounds, progress, unit="round")
+    try:
+        for run in options.values():
+            run()
+        _advance(bar)
+        names = list(options)
+        rounds: dict[str, list[float]] = {name: [] for name in names}
+        start = clock()
+        for index in range(max_rounds):
+            for name in (names if index % 2 == 0 else names[::-1]):
+                began = clock()
+                options[name]()
+                rounds[name].append(clock() - began)
+            _advance(bar)
+            done = index + 1 >= min_rounds and (
+                clock() - start > budget_s or (until == "decided" and decide(rounds, margin) is not None))
+            if done:
+                break
+    finally:
+        if bar is not None:
+            bar.total = bar.n  # the rounds stopped early: the bar ends full
+            bar.close()
     return Comparison(rounds, margin)
+
+
+def _advance(bar) -> None:
+    if bar is not None:
+        bar.update(1)
 
 
 def median_interval(values: list[float]) -> tuple[float, float]:

@@ -9,7 +9,7 @@ numbers on this machine show.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping, Optional
 
 _RECORDED: list[dict[str, Any]] = []
 _SAFE = {"abs": abs, "min": min, "max": max, "round": round, "len": len, "all": all, "any": any, "math": math}
@@ -30,12 +30,28 @@ def recorded() -> list[dict[str, Any]]:
     return list(_RECORDED)
 
 
-def check_verdicts() -> None:
-    """The last cell of every lesson: each verdict printed above agrees with the numbers it came from."""
+def check_verdicts(table: Optional[Mapping[str, Any]] = None) -> None:
+    """The last cell of every lesson: each verdict printed above agrees with the numbers it came from.
+
+    A lesson that also keeps conclusions in a table (lessons 07 and 09: ``verdicts``, each computed from
+    what they keep in ``evidence``) passes it, so the count says how many there are: those conclusions
+    are tables of winners and crossovers rather than single sentences, and the lesson's tests recompute
+    them from the evidence.
+    """
     wrong = [r for r in _RECORDED if not holds_again(r)]
     if wrong:
         raise AssertionError(f"verdicts their own measurements contradict: {wrong}")
-    print(f"{len(_RECORDED)} verdict(s) in this lesson, each printed from this run's measurements")
+    if table is None:
+        print(f"{_count(len(_RECORDED), 'verdict')} in this lesson, each printed from this run's measurements "
+              "and checked again here")
+        return
+    print(f"{_count(len(_RECORDED) + len(table), 'verdict')} in this lesson, each from this run's measurements: "
+          f"{_count(len(_RECORDED), 'printed sentence')} checked again here, and {len(table)} kept in the "
+          f"verdicts table with the measurements behind them")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def holds_again(record: dict[str, Any]) -> bool:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import random
 import time
@@ -28,6 +29,7 @@ from kvlib.cli.bench.report import format_table
 from kvlib.cli.bench.workloads import sharegpt_like_lengths
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.core.block_table import blocks_for
+from kvlib.course.progress import TokenProgress, counting, tokens_of
 from kvlib.llm import LLM
 
 MODES = [("recompute", False), ("swap", False), ("auto", False), ("recompute", True), ("swap", True), ("auto", True)]
@@ -50,11 +52,16 @@ def blocks_needed(prompts: list[list[int]], params: list[SamplingParams], block_
     return sum(blocks_for(len(p) + s.max_tokens, block_size) for p, s in zip(prompts, params))
 
 
-def serve(config: EngineConfig, prompts, params, model="default") -> tuple[LLM, list[list[int]], float]:
-    """Serve the workload on ``model``; return the engine, each request's tokens and the wall-clock seconds."""
+def serve(config: EngineConfig, prompts, params, model="default", progress=None) -> tuple[LLM, list[list[int]], float]:
+    """Serve the workload on ``model``; return the engine, each request's tokens and the wall-clock seconds.
+
+    ``progress``: a label for a bar over the tokens this run generates, or a
+    :class:`kvlib.course.progress.TokenProgress` that several runs share; None for no bar.
+    """
     llm = LLM(model, config, verbose=False)
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    with counting(progress, llm, params, len(prompts)):
+        outs = llm.generate(prompts, params)
     return llm, [o.token_ids for o in outs], time.perf_counter() - start
 
 
@@ -76,20 +83,22 @@ def result_row(label: str, partial: Optional[bool], llm: LLM, seconds: float, id
 
 def run_preemption_bench(num_requests: int = 64, scale: int = 4, num_gpu_blocks: int = 48, num_cpu_blocks: int = 256,
                          block_size: int = 16, seed: int = 0, modes=MODES, model="default",
-                         vocab: range = VOCAB) -> list[dict]:
+                         vocab: range = VOCAB, progress: bool = False) -> list[dict]:
     """The unpressured reference row, then one row per (mode, partial) in ``modes``, all on ``model`` with prompt
-    tokens from ``vocab``."""
+    tokens from ``vocab``; ``progress``: one bar over the tokens of every run."""
     prompts, params = oversubscribed_workload(num_requests, scale, seed, vocab)
     roomy = EngineConfig(block_size=block_size, num_gpu_blocks=blocks_needed(prompts, params, block_size),
                          max_num_seqs=num_requests)
-    serve(roomy, prompts[:4], params[:4], model)  # warm-up: first-call costs fall on no measured row
-    llm, reference, seconds = serve(roomy, prompts, params, model)
-    rows = [result_row("none (pool fits all)", None, llm, seconds, None)]
-    for mode, partial in modes:
-        config = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                              preemption_mode=mode, partial_preemption=partial, max_num_seqs=num_requests)
-        llm, outputs, seconds = serve(config, prompts, params, model)
-        rows.append(result_row(mode, partial, llm, seconds, outputs == reference))
+    total = tokens_of(params[:4]) + (1 + len(modes)) * tokens_of(params)
+    with TokenProgress(total, f"{1 + len(modes)} runs") if progress else contextlib.nullcontext() as bar:
+        serve(roomy, prompts[:4], params[:4], model, bar)  # warm-up: first-call costs fall on no measured row
+        llm, reference, seconds = serve(roomy, prompts, params, model, bar)
+        rows = [result_row("none (pool fits all)", None, llm, seconds, None)]
+        for mode, partial in modes:
+            config = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
+                                  preemption_mode=mode, partial_preemption=partial, max_num_seqs=num_requests)
+            llm, outputs, seconds = serve(config, prompts, params, model, bar)
+            rows.append(result_row(mode, partial, llm, seconds, outputs == reference))
     return rows
 
 
@@ -118,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logger.setLevel(logging.ERROR)  # the "warned" column reports the engine's warning instead
     try:
         rows = run_preemption_bench(args.num_requests, args.scale, args.num_gpu_blocks, args.num_cpu_blocks,
-                                    args.block_size, args.seed)
+                                    args.block_size, args.seed, progress=True)
     finally:
         logger.setLevel(level)
     print(format_table(rows, f"Preemption: {args.num_requests} ShareGPT-like requests / {args.scale}, default model, "
