@@ -4,7 +4,7 @@ Every request comes back whole and token-exact (greedy outputs do not depend on 
 ``/metrics`` shows the preemptions, and afterwards the pools hold nothing. A disconnect storm
 (clients closing mid-stream, or leaving before their first token) aborts every request it leaves
 behind, frees every block, and the server goes on serving. A hostile client (a 16 MB body, 10,000
-prompts in one request, a 6 MB prompt) is refused beside 32 streaming clients while ``/health``
+prompts in one request, a 1.5 MB prompt) is refused beside 32 streaming clients while ``/health``
 answers throughout. TTFT, stutter and ``/health`` percentiles are printed (``pytest -s``) as the run
 measured them; no test judges a timing.
 """

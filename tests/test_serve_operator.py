@@ -166,7 +166,7 @@ def test_health_answers_while_a_prompt_of_megabytes_is_tokenized(llm, monkeypatc
             tokenized.set()
 
     monkeypatch.setattr(ServedModel, "encode", observed)
-    with BackgroundServer(llm, "default") as server:
+    with BackgroundServer(llm, "default", limits=RequestLimits(max_body_bytes=16 * 1024 * 1024)) as server:
         replies = {}
         sender = threading.Thread(target=lambda: replies.update(big=completion(server, prompt="a few words " * 500_000)))
         sender.start()
@@ -376,3 +376,17 @@ def test_too_many_stop_token_ids_get_a_400(small):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stop_token_ids"
     assert "at most 256" in reply.json()["error"]["message"]
     assert completion(small, prompt=[5, 6], stop_token_ids=list(range(256))).status_code == 200
+
+
+def test_the_prompt_count_is_refused_before_the_fields_are_validated(monkeypatch):
+    """Validating 10,000 prompts holds the GIL longer than parsing them; a request over the limit skips it."""
+    from kvlib.serve.protocol import BadRequest, CompletionRequest, parse_request
+
+    def validated(*args, **kwargs):
+        raise AssertionError("the fields were validated")
+
+    monkeypatch.setattr(CompletionRequest, "model_validate", validated)
+    body = json.dumps({"model": "default", "prompt": [[5, 6, 7]] * 10_000}).encode()
+    with pytest.raises(BadRequest, match="10000 prompts") as refused:
+        parse_request(body, CompletionRequest, RequestLimits())
+    assert refused.value.code == "too_many_prompts"

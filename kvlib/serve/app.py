@@ -127,7 +127,7 @@ async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: 
 
 def _checked_work(raw: bytes, shape: type[SamplingFields], to_work: Callable, model: ServedModel):
     """Parse, check and tokenize: on a worker thread, so that a body of megabytes never stops the event loop."""
-    body = parse_request(raw, shape)
+    body = parse_request(raw, shape, model.limits)
     return body, to_work(body, model)
 
 

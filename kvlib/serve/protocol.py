@@ -13,6 +13,8 @@ from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
+
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_TOKEN_IDS = 256  # each new token is looked up in them at every step: a long list slows every request
 UNSUPPORTED = {  # field: the values that mean "off", which are accepted (as vLLM accepts them)
@@ -105,8 +107,22 @@ def _is_type_tag(part) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part or "-" in part)
 
 
-def parse_request(body: bytes, shape: type[SamplingFields]) -> SamplingFields:
-    """The request body as ``shape``, or :class:`BadRequest` naming the first field that is wrong."""
+def is_batch(prompt) -> bool:
+    """A list of prompts, not one prompt of token ids."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+def check_prompt_count(prompt, limits: RequestLimits) -> None:
+    count = len(prompt) if is_batch(prompt) else 1
+    if count > limits.max_prompts:
+        raise BadRequest(f"this request holds {count} prompts; this server takes at most {limits.max_prompts} in one "
+                         f"request (kvlib serve {LIMIT_FLAGS['max_prompts']}): send them in several requests",
+                         param="prompt", code="too_many_prompts")
+
+
+def parse_request(body: bytes, shape: type[SamplingFields], limits: Optional[RequestLimits] = None) -> SamplingFields:
+    """The request body as ``shape``, or :class:`BadRequest` naming the first field that is wrong. The prompt count
+    is checked before the fields are validated, which for 10,000 prompts takes longer than parsing them."""
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -114,6 +130,8 @@ def parse_request(body: bytes, shape: type[SamplingFields]) -> SamplingFields:
                          f'{{"model": "...", ...}} with Content-Type: application/json', code="invalid_json") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    if limits is not None:
+        check_prompt_count(data.get("prompt"), limits)
     try:
         request = shape.model_validate(data)
     except ValidationError as err:

@@ -17,7 +17,7 @@ from kvlib.config import MAX_SEED, SamplingParams
 from kvlib.llm import LLM
 from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
 from kvlib.serve.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest, MAX_STOP_STRINGS,
-                                  MAX_STOP_TOKEN_IDS, SamplingFields)
+                                  MAX_STOP_TOKEN_IDS, SamplingFields, check_prompt_count, is_batch)
 from kvlib.tokenizer import unicode_problem
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
@@ -91,14 +91,9 @@ class EngineWork:
 
 def completion_work(request: CompletionRequest, model: ServedModel) -> EngineWork:
     _check_model(request, model)
-    given = _prompt_list(request.prompt)
-    cap = model.limits.max_prompts
-    if len(given) > cap:
-        raise BadRequest(f"this request holds {len(given)} prompts; this server takes at most {cap} in one request "
-                         f"(kvlib serve {LIMIT_FLAGS['max_prompts']}): send them in several requests",
-                         param="prompt", code="too_many_prompts")
-    prompts = [_prompt_ids(p, model, f"prompt[{i}]" if _is_batch(request.prompt) else "prompt")
-               for i, p in enumerate(given)]
+    check_prompt_count(request.prompt, model.limits)  # again: a request may be built in code, not parsed
+    prompts = [_prompt_ids(p, model, f"prompt[{i}]" if is_batch(request.prompt) else "prompt")
+               for i, p in enumerate(_prompt_list(request.prompt))]
     return _work(request, prompts, request.max_tokens, model)
 
 
@@ -123,12 +118,8 @@ def _check_model(request: SamplingFields, model: ServedModel) -> None:
                          f"(GET /v1/models lists it)", param="model", code="model_not_found")
 
 
-def _is_batch(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
-
-
 def _prompt_list(prompt) -> list:
-    if _is_batch(prompt):
+    if is_batch(prompt):
         return list(prompt)
     return [prompt]
 

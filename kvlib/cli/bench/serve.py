@@ -13,7 +13,7 @@
   seconds into the KV-usage timeline, saved as JSON, or drawn when the path ends in ``.png``; ``/health``
   is asked at each sample, and how long it took to answer is reported too.
 - ``--hostile``: beside the ordinary requests, a client sends what no server should queue (a 16 MB
-  body, 10,000 prompts in one request, a 6 MB text prompt) until they are done; what it got is
+  body, 10,000 prompts in one request, a 1.5 MB text prompt) until they are done; what it got is
   reported, and the ordinary requests' figures show what it cost them.
 """
 from __future__ import annotations
@@ -88,11 +88,11 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
 async def hostile_client(client: httpx.AsyncClient, done: asyncio.Event, model: str = "default",
                          rounds: int = 3) -> list[str]:
     """Requests no server should queue, sent until ``done`` is set (each at least once, ``rounds`` times at most): a
-    16 MB body, 10,000 prompts in one request, a 6 MB text prompt. What each got: its status and error code, or
+    16 MB body, 10,000 prompts in one request, a 1.5 MB text prompt. What each got: its status and error code, or
     ``closed`` (the server closed the connection on a body it would not read) or ``timeout`` (60 s)."""
     bodies = [json.dumps({"model": model, "prompt": "x" * 16_000_000}).encode(),
               json.dumps({"model": model, "prompt": [[5, 6, 7]] * 10_000}).encode(),
-              json.dumps({"model": model, "prompt": "a few words " * 500_000}).encode()]
+              json.dumps({"model": model, "prompt": "a few words " * 125_000}).encode()]
     outcomes = []
     for _ in range(rounds):
         for body in bodies:
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeline", default="kvlib-output/serve_timeline.json",
                         help="where the KV-usage timeline is saved (.json: the samples; .png: a plot)")
     parser.add_argument("--hostile", action="store_true",
-                        help="send, beside the requests, a 16 MB body, 10,000 prompts in one request and a 6 MB "
+                        help="send, beside the requests, a 16 MB body, 10,000 prompts in one request and a 1.5 MB "
                              "prompt, until the requests are done")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads of the in-process server (0: torch's default)")
