@@ -155,6 +155,8 @@ class Task:
     hidden: tuple[str, ...]
     reference: Callable[[], Any]
     checks: list[Check] = field(default_factory=list)
+    decisions: Any = None  # a Decisions: the sandbox sends what the piece decided, the grader measures it
+    rule: Optional[Callable[[list], list[str]]] = None  # the graded statements -> what breaks the task's rule
 
     def check(self, points: int, hint: str, compare: Compare = same, limit_s: float = DEFAULT_LIMIT_S) -> Callable:
         """Register the decorated scenario as a check named after it."""
@@ -179,6 +181,10 @@ class Task:
 
     def grade(self, piece: Any) -> TaskResult:
         """Feedback inside the notebook: every check on ``piece`` against kvlib's own, a line per check."""
+        if self.rule is not None:
+            from kvlib.course.grading.kernel_rule import source_of
+            for breach in self.rule(source_of(piece)):
+                print(f"FAIL {self.name}: when graded, every check of this task fails: {breach}")
         result = TaskResult(self.name, self.verdicts(piece, FEEDBACK_SEED))
         for check in result.checks:
             print(_line(self.name, check))
@@ -188,13 +194,15 @@ class Task:
     def verdicts(self, piece: Any, seed: int) -> list[CheckResult]:
         """Every check on ``piece`` against kvlib's own, both in this process (kvlib's answer hidden while
         ``piece`` runs), as the grader would decide them on ``seed``."""
+        from kvlib.course.grading.decisions import decided, measured
         from kvlib.course.grading.hidden import hiding
 
         results = []
         for check in self.checks:
             reference = observe(check, self.reference(), seed)
             with hiding(self.hidden):
-                results.append(verdict(check, observe(check, piece, seed), reference))
+                seen = decided(self, check, piece, seed)
+            results.append(verdict(check, measured(self, check, seen, seed), reference))
         return results
 
     def zero(self, status: str, message: str) -> TaskResult:

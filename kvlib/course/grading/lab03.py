@@ -1,24 +1,23 @@
 """Lab 03 checks: the learner's Triton paged decode kernel on random paged caches, then inside the engine.
 
 Every launcher call runs under a ``launch_log``: only a ``@triton.jit`` kernel of the notebook's own, computing
-from the inputs alone, can score. Outputs are compared with kvlib's fast torch decode on steps built as the engine
-builds them (views of a 6-d pool, tables padded with 0, stale slots), then in the engine; small shapes throughout.
+from the inputs alone, can score; the grader also reads the graded source for the same rule (``kernel_rule``),
+where the learner's code cannot rebind it. Outputs are compared with kvlib's fast torch decode on steps built as the
+engine builds them (views of a 6-d pool, tables padded with 0, stale slots), then in the engine; small shapes throughout.
 """
 from __future__ import annotations
 
 import os
 import random
-from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
-import kvlib
 from kvlib.attention.metadata import AttentionMetadata
 from kvlib.attention.torch_backend import TorchAttentionBackend
 from kvlib.course.grading.checks import Task, close, expect
+from kvlib.course.grading.kernel_rule import breaches
+from kvlib.course.grading.launch_log import launch_log, storage_bytes
 from kvlib.course.grading.serving import random_tokens
 
 HIDDEN = ("kvlib.kernels.paged_decode:*", "kvlib.kernels.paged_prefill:*", "kvlib.kernels.attention_tiles:attend_tile",
@@ -26,7 +25,8 @@ HIDDEN = ("kvlib.kernels.paged_decode:*", "kvlib.kernels.paged_prefill:*", "kvli
           *(f"kvlib.attention.torch_paged:{f}" for f in ("paged_decode_batched", "_attend_decode", "decode_groups",
                                                                  "paged_decode", "paged_decode_in_place", "decode_pattern")),
           "kvlib.course.grading.lab03:_reference_decode")
-kernel, engine = (Task(name, ("paged_decode",), HIDDEN, lambda: _reference_decode) for name in ("kernel", "engine"))
+kernel, engine = (Task(name, ("paged_decode",), HIDDEN, lambda: _reference_decode, rule=breaches)
+                  for name in ("kernel", "engine"))
 TASKS = [kernel, engine]
 check_kernel, check_engine = kernel.grade, engine.grade
 
@@ -44,64 +44,6 @@ def _reference_decode(query, k_cache, v_cache, block_tables, context_lens, scale
     return paged_decode_batched(query, k_cache, v_cache, meta, scale)
 
 
-_NOT_YOURS = (str(Path(kvlib.__file__).resolve().parent), "<frozen")
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The whole storage under ``t``, as bytes."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-
-
-@contextmanager
-def launch_log(inputs: tuple[torch.Tensor, ...]):
-    """Records every Triton launch while active (``launches``: name, whether the learner's own). A kernel of the
-    learner's may read the inputs, never change them, and write one output: zeroed when first handed over, changed
-    by nothing else between and after its kernels (``outputs``: storage -> its bytes after the last of them)."""
-    from triton.runtime import interpreter, jit
-    log = SimpleNamespace(inputs={t.untyped_storage().data_ptr(): (t, _bytes(t).clone()) for t in inputs},
-                          launches=[], outputs={}, problems=[], handed_cache=False)
-
-    def changed(when: str) -> None:
-        if any(not torch.equal(_bytes(t), before) for t, before in log.inputs.values()):
-            log.problems.append(f"an input tensor (query, caches, block table or lengths) changed {when}: your "
-                                f"kernel may only read them")
-
-    def recording(original):
-        def run(kernel_self, *args, **kwargs):
-            fn = getattr(kernel_self, "fn", None)
-            name, filename = getattr(fn, "__name__", "?"), getattr(getattr(fn, "__code__", None), "co_filename", "")
-            own = bool(filename) and not filename.startswith(_NOT_YOURS) and "/triton/" not in filename
-            log.launches += [] if kwargs.get("warmup", False) else [(name, own)]
-            if kwargs.get("warmup", False) or not own:
-                return original(kernel_self, *args, **kwargs)
-            outputs = []
-            for arg in [a for a in (*args, *kwargs.values()) if hasattr(a, "data_ptr")]:
-                ptr = arg.untyped_storage().data_ptr() if isinstance(arg, torch.Tensor) else None
-                if ptr in log.inputs:
-                    log.handed_cache |= log.inputs[ptr][0].dim() == 4
-                elif ptr is None:
-                    log.problems.append(f"your kernel {name} was handed a {type(arg).__name__}: hand it tensors")
-                elif ptr in log.outputs and not torch.equal(_bytes(arg), log.outputs[ptr]):
-                    log.problems.append(f"a tensor handed to your kernel {name} changed since your kernel last ran: "
-                                        f"only your kernels may write the output")
-                else:
-                    outputs.append(_bytes(arg) if ptr in log.outputs else _bytes(arg).zero_())
-            changed(f"before your kernel {name} ran")
-            result = original(kernel_self, *args, **kwargs)
-            log.outputs.update({b.untyped_storage().data_ptr(): b.clone() for b in outputs})
-            return result
-        return run
-    saved = [(c, c.__dict__["run"]) for c in (jit.JITFunction, interpreter.InterpretedFunction) if "run" in vars(c)]
-    for cls, original in saved:
-        setattr(cls, "run", recording(original))
-    try:
-        yield log
-    finally:
-        for cls, original in saved:
-            setattr(cls, "run", original)
-    changed("while your launcher ran")
-
-
 def call_checked(decode, query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
     """``decode(...)``, failing unless a Triton kernel of the learner's computed it (kvlib's own runs unwatched)."""
     inputs = (query, k_cache, v_cache, block_tables, context_lens)
@@ -117,7 +59,7 @@ def call_checked(decode, query, k_cache, v_cache, block_tables, context_lens, sc
     ptr = out.untyped_storage().data_ptr() if isinstance(out, torch.Tensor) else None
     expect(ptr in log.outputs and len(log.outputs) == 1, "hand your kernel the inputs themselves (no copies, nothing "
            "computed from them) and one output tensor, the one your launcher returns, and compute attention in it")
-    expect(torch.equal(_bytes(out), log.outputs[ptr]), "the output changed after your kernel ran: return what your "
+    expect(torch.equal(storage_bytes(out), log.outputs[ptr]), "the output changed after your kernel ran: return what your "
                                                        "kernel wrote")
     return out
 

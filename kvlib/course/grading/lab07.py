@@ -3,7 +3,8 @@
 The lab states goal and costs, not a rule: a choice passes when it costs no more than kvlib's SparingPolicy
 (hidden while grading) on the same candidates, in victims the engine's loop takes (:func:`replay`) and stalls;
 only ties (the newer; the later in the list when arrival times tie) are compared choice by choice. Candidates by
-hand, drawn from the seed, and the states the engine's default policy met; then the policy serves by itself.
+hand, drawn from the seed, and the states the engine's default policy met; then the policy serves by itself. The
+sandbox sends back only which candidate each call chose; the grader replays those choices and counts the cost.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvlib.config import SamplingParams
 from kvlib.core.preemption import LatestArrivalPolicy, VictimCandidate
 from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, expect, same
+from kvlib.course.grading.decisions import choice_of
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens
 from kvlib.course.grading.workloads import Arrival, serve_timed
@@ -23,8 +25,8 @@ from kvlib.course.grading.workloads import Arrival, serve_timed
 HIDDEN = ("kvlib.core.preemption:SparingPolicy",)
 _reference = kvlibs_own(HIDDEN[0])
 
-select_victim = Task("select_victim", ("MyVictimPolicy",), HIDDEN, _reference)
-engine = Task("engine", ("MyVictimPolicy",), HIDDEN, _reference)
+select_victim, engine = (Task(name, ("MyVictimPolicy",), HIDDEN, _reference, decisions=choice_of("select_victim"))
+                         for name in ("select_victim", "engine"))
 TASKS = [select_victim, engine]
 check_select_victim, check_engine = select_victim.grade, engine.grade
 

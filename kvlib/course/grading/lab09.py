@@ -2,17 +2,19 @@
 
 kvlib has no report, and its OversubscriptionDetector judges the whole run: both references are written here and
 hidden while grading (with EngineMetrics.summary and kvlib's detector). Metrics are drawn from the seed; detector
-checks observe what any correct design answers (whether and when it warned, how often, what it names).
+checks observe what any correct design answers (whether and when it warned, how often, what it names), measured
+by the grader from the answers each observe call gave in the sandbox (``decisions.answer_of``).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import random
 from functools import cache
-from typing import Optional
 
 from kvlib.config import SamplingParams
 from kvlib.course.grading.checks import Task, close, expect
+from kvlib.course.grading.decisions import answer_of
 from kvlib.course.grading.serving import random_tokens
 from kvlib.course.grading.workloads import Arrival, Watched, replay_run, replay_watched, serve_watched, step_record
 from kvlib.metrics import EngineMetrics, RequestMetrics
@@ -26,25 +28,22 @@ def _reference_report():
                   "not_preempted": [r for r in records if not r.num_preemptions]}
         steps = [s.num_preemptions for s in metrics.timeline]
         work = metrics.num_prompt_tokens + metrics.num_generated_tokens + metrics.num_recomputed_tokens
-        return {"preemptions_per_finished_request": metrics.num_preemptions / metrics.num_finished
-                if metrics.num_finished else 0.0,
+        return {"preemptions_per_finished_request": metrics.num_preemptions / max(1, metrics.num_finished),
                 "preempted_share": len(groups["preempted"]) / len(records) if records else None,
                 "worst_stutter": {k: max((r.max_inter_token_latency for r in g), default=None) for k, g in groups.items()},
                 "median_ttft": {k: statistics.median(t) if (t := [r.ttft for r in g if r.ttft is not None]) else None
                                 for k, g in groups.items()},
-                "busiest_window": max(sum(steps[i:i + window]) for i in range(max(1, len(steps) - window + 1)))
-                if steps else 0,
+                "busiest_window": max(sum(steps[i:i + window]) for i in range(max(1, len(steps) - window + 1))),
                 "recomputed_share": metrics.num_recomputed_tokens / work if work else 0.0}
     return preemption_report
 
 
 def _reference_detector():
-    from collections import deque
     class RecentRequests:
         def __init__(self, threshold: float = 1.0):
-            self.threshold, self.recent, self.seen, self.warned = threshold, deque(maxlen=16), 0, False
+            self.threshold, self.recent, self.seen, self.warned = threshold, collections.deque(maxlen=16), 0, False
 
-        def observe(self, metrics: EngineMetrics) -> Optional[str]:
+        def observe(self, metrics: EngineMetrics) -> str | None:
             new, self.seen = metrics.num_finished - self.seen, metrics.num_finished
             self.recent.extend(r.num_preemptions for r in list(metrics.requests.values())[-new:] if new > 0)
             if self.warned or len(self.recent) < 8 or (rate := sum(self.recent) / len(self.recent)) <= self.threshold:
@@ -57,8 +56,8 @@ def _reference_detector():
 DETECTOR = ("kvlib.core.oversubscription:OversubscriptionDetector", "kvlib.course.grading.lab09:_reference_detector")
 report = Task("report", ("preemption_report",), ("kvlib.course.grading.lab09:_reference_report",
                                                  "kvlib.metrics:EngineMetrics.summary"), _reference_report)
-detector = Task("detector", ("MyOversubscriptionDetector",), DETECTOR, _reference_detector)
-engine = Task("engine", ("MyOversubscriptionDetector",), DETECTOR, _reference_detector)
+detector, engine = (Task(name, ("MyOversubscriptionDetector",), DETECTOR, _reference_detector,
+                         decisions=answer_of("observe")) for name in ("detector", "engine"))
 TASKS, NEAR = [report, detector, engine], close(1e-9, 1e-9)
 check_report, check_detector, check_engine = report.grade, detector.grade, engine.grade
 
@@ -156,10 +155,11 @@ def quiet_on_thin_evidence(cls, rng: random.Random) -> dict:
 
 
 @detector.check(1, "a server whose requests are each preempted more than once is oversubscribed: warn as soon as "
-                   "enough of them finished")
+                   "enough of them finished; requests preempted once or less are not")
 def warns_when_oversubscribed(cls, rng: random.Random) -> dict:
-    run = [rng.randint(2, 5) for _ in range(24)]
-    return {f"on {run}, warned by the time 12 had finished": [n <= 12 for n, _ in replay_run(cls(), run)][:1]}
+    runs = [[rng.randint(2, 5) for _ in range(24)], [rng.choice([0, 1, 1]) for _ in range(24)]]
+    rng.shuffle(runs)  # which run is oversubscribed is drawn, and so is every answer
+    return {f"on {run}, warned by the time 12 had finished": [n <= 12 for n, _ in replay_run(cls(), run)][:1] for run in runs}
 
 
 @detector.check(2, "the question is whether the server is oversubscribed now: a long calm start must not hide "

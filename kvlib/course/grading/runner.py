@@ -3,8 +3,10 @@
 The lab and its tasks come from the grader (the ``labNN`` in the file name, or ``--lab``), never
 from the notebook's metadata. No cell of the notebook runs: each task's definitions are extracted
 from the saved file (``extract.py``) and run in a sandbox process (``sandbox.py``) on a copy of
-kvlib without that task's answer. For every check the sandbox hands back an observation; this
-process runs the same scenario on kvlib's own piece, with the same fresh seed, and decides. A
+kvlib without that task's answer. For every check the sandbox hands back an observation, or, for
+tasks that declare ``Decisions``, what the learner's piece decided, which this process measures by
+replaying it in the scenario itself; this process runs the same scenario on kvlib's own piece, with
+the same fresh seed, and decides. A
 folder of submissions is graded in parallel into a gradebook written only once every sandbox is
 gone; one broken or hostile submission costs its own checks, within its own time budget.
 """
@@ -26,13 +28,15 @@ from typing import Optional
 
 import nbformat
 
+from kvlib.course.grading.bounds import unbounded
 from kvlib.course.grading.checks import Check, Observed, Task, observe, verdict
+from kvlib.course.grading.decisions import decided, measured
 from kvlib.course.grading.extract import Statement, extract, load
 from kvlib.course.grading.fingerprint import FLAG_AT, resemblance, shingles
 from kvlib.course.grading.hidden import hidden_source, hiding
 from kvlib.course.grading.report import GradeReport
-from kvlib.course.grading.results import NOT_GRADED, TIMED_OUT, CheckResult, TaskResult
-from kvlib.course.grading.sandbox import NOT_ISOLATED, Crashed, Limits, Sandbox, isolation
+from kvlib.course.grading.results import FAIL, NOT_GRADED, TIMED_OUT, CheckResult, TaskResult
+from kvlib.course.grading.sandbox import NOT_BOUNDED, NOT_ISOLATED, Crashed, Limits, Sandbox, isolation
 
 LAB_NAME = re.compile(r"lab\d\d")
 
@@ -82,13 +86,18 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
     tasks = tasks_of(lab)
     results: dict[str, TaskResult] = {}
     groups: dict[tuple, list[tuple[Task, list[Statement]]]] = {}  # tasks that hide the same answer share a sandbox
+    rule_flags: list[str] = []
     for task in tasks:
         extracted = extract(cells, task.needs)
         if extracted.problems:
             results[task.name] = task.zero(NOT_GRADED, "; ".join(extracted.problems))
             continue
+        if task.rule is not None and (broken := task.rule(extracted.statements)):
+            results[task.name] = task.zero(FAIL, f"the rule of the task is broken: {'; '.join(broken[:3])}")
+            rule_flags.append(f"{task.name}: scored 0, its rule is broken: {'; '.join(broken)}")
+            continue
         groups.setdefault(task.hidden, []).append((task, extracted.statements))
-    flags = []
+    flags = rule_flags
     for hidden, graded in groups.items():
         statements = _union(s for _, kept in graded for s in kept)
         flags += _resemblances([task.name for task, _ in graded], hidden, statements)
@@ -97,6 +106,7 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
                 results[task.name] = TaskResult(task.name, [_grade_check(sandbox, lab, task, check, seed, limits,
                                                                          deadline) for check in task.checks])
     notes = [NOT_ISOLATED.format(why=isolation())] if runner is Sandbox and isolation() else []
+    notes += [NOT_BOUNDED.format(why=unbounded())] if runner is Sandbox and unbounded() else []
     return Graded([results[t.name] for t in tasks], notes, flags)
 
 
@@ -111,7 +121,7 @@ def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limits:
         yours = sandbox.observe(task.name, check.name, seed, min(check.limit_s * limits.check_scale, left))
     except Crashed as exc:
         return CheckResult(check.name, check.points, exc.status, str(exc))
-    return verdict(check, yours, reference)
+    return verdict(check, measured(task, check, yours, seed), reference)
 
 
 _REFERENCES: dict[tuple, Observed] = {}
@@ -169,7 +179,7 @@ class InProcess:
             raise Crashed(self.startup_error)
         graded = self.tasks[task]
         with hiding(graded.hidden):
-            return observe(graded.named(check), graded.piece(self.namespace), seed)
+            return decided(graded, graded.named(check), graded.piece(self.namespace), seed)
 
 
 def grade_folder(folder: str | Path, lab: Optional[str] = None, jobs: int = 2,

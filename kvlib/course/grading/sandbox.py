@@ -4,7 +4,8 @@ The grader (``runner.py``) starts this module for one group of a lab's tasks, on
 in which those tasks' answers are stubs (``hidden.stubbed_tree``). Where bubblewrap is installed
 the process runs in namespaces of its own: an unprivileged user, no network, a read-only view of
 the Python installation and that copy of kvlib only (not the real kvlib, the course's solutions or
-the grader's files), a private empty ``/tmp``, and its own process tree, which dies with it.
+the grader's files), a private empty ``/tmp``, and its own process tree, which dies with it, in
+control groups of its own that bound its processes and memory where the machine allows (``bounds.py``).
 Elsewhere it runs as a plain process on the stubbed copy, and the report says grading was not
 isolated.
 
@@ -30,7 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from kvlib.course.grading.checks import Observed, observe
+from kvlib.course.grading.bounds import Bounds, bounded
+from kvlib.course.grading.checks import Observed
+from kvlib.course.grading.decisions import DECIDED, decided
 from kvlib.course.grading.extract import Statement, load
 from kvlib.course.grading.hidden import PACKAGE, stubbed_tree
 from kvlib.course.grading.results import CRASHED, FAIL, NOT_IMPLEMENTED, TIMED_OUT
@@ -40,11 +43,14 @@ MAX_REPLY_BYTES = 8 * 2**20
 MAX_MESSAGE_CHARS = 2000
 IN_SANDBOX = "/grading"  # where the stubbed kvlib copy is seen inside an isolated sandbox
 NOT_ISOLATED = "grading without isolation ({why}): for practice, not for marks"
+NOT_BOUNDED = "a submission's processes and memory are not bounded here ({why}): a fork or memory bomb slows the class"
+REPLY_DATA = {"observed": "observation", DECIDED: "decisions"}  # a reply's status -> the key of its data
 
 
 @dataclass(frozen=True)
 class Limits:
-    memory_bytes: Optional[int] = 8 * 2**30  # address space of the process running the checks
+    memory_bytes: Optional[int] = 8 * 2**30  # address space of the process running the checks, and of its whole tree
+    processes: int = 512  # processes and threads of one sandbox's whole tree, where control groups can be made
     check_scale: float = 1.0  # multiplies every check's own time limit (a slow machine, a loaded class run)
     submission_s: float = 600.0  # wall-clock seconds all of one submission's checks may take, scaled too
 
@@ -68,6 +74,7 @@ class Sandbox:
     def __init__(self, lab: str, statements: list[Statement], hidden: tuple[str, ...], limits: Limits = Limits()):
         self.lab, self.statements, self.tree, self.limits = lab, statements, stubbed_tree(hidden), limits
         self.process: Optional[subprocess.Popen] = None
+        self.bounds: Optional[Bounds] = None
         self.startup_error: Optional[str] = None
 
     def __enter__(self) -> "Sandbox":
@@ -108,9 +115,14 @@ class Sandbox:
             for stream in (self.process.stdin, self.process.stdout):
                 stream.close()
             self.process = None
+        if self.bounds is not None:
+            self.bounds.close()  # whatever escaped the session is still in the groups
+            self.bounds = None
 
     def _start(self) -> None:
         command, env = sandbox_command(self.tree)
+        self.bounds = bounded(self.limits.processes, self.limits.memory_bytes)
+        command = self.bounds.command(command) if self.bounds is not None else command
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL, env=env, start_new_session=True, cwd="/")
         self._send({"lab": self.lab, "memory_bytes": self.limits.memory_bytes,
@@ -156,10 +168,10 @@ class Sandbox:
 
 
 def reply_to_observed(reply: dict) -> Observed:
-    """A check's reply, shape-checked: exactly a status, and an observation or a message."""
+    """A check's reply, shape-checked: exactly a status, and an observation, decisions or a message."""
     status = reply.get("status")
-    if status == "observed" and set(reply) == {"status", "observation"}:
-        return Observed("observed", reply["observation"])
+    if status in REPLY_DATA and set(reply) == {"status", REPLY_DATA[status]}:
+        return Observed(status, reply[REPLY_DATA[status]])
     if status in (FAIL, NOT_IMPLEMENTED) and set(reply) == {"status", "message"} and isinstance(reply["message"], str):
         return Observed(status, message=reply["message"][:MAX_MESSAGE_CHARS])
     raise ValueError(f"keys {sorted(reply)}, status {status!r}")
@@ -259,9 +271,9 @@ def _serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         task = tasks[request["task"]]
-        observed = observe(task.named(request["check"]), task.piece(namespace), request["seed"])
-        reply = {"status": observed.status, "observation": observed.observation} if observed.status == "observed" \
-            else {"status": observed.status, "message": observed.message}
+        observed = decided(task, task.named(request["check"]), task.piece(namespace), request["seed"])
+        reply = {"status": observed.status, REPLY_DATA[observed.status]: observed.observation} \
+            if observed.status in REPLY_DATA else {"status": observed.status, "message": observed.message}
         try:
             text = json.dumps(reply, allow_nan=True)
         except (TypeError, ValueError) as exc:

@@ -1,0 +1,72 @@
+"""Lab 03's rule, "your Triton kernel does the attention", read from the learner's source in the grader.
+
+The sandbox's launch log can only cost points: code loaded before the checks can rebind it, or hand
+a kernel a torch-computed answer as an integer address. So the rule is also checked here, where the
+learner's code never runs: in the definitions the grader extracted, outside ``@triton.jit``
+functions, nothing computes attention in torch (softmax, exp, matrix products), nothing hands a
+kernel an address (``data_ptr``, pointer casts, inside kernels too), nothing reaches around the
+code's own names (``getattr``, ``sys.modules``, ``eval``), and imports are the lab's own list.
+A breach fails every check of the task and is reported to the instructor.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+
+ALLOWED_IMPORTS = ("torch", "triton", "functools", "math", "typing", "__future__", "dataclasses", "itertools")
+TORCH_ATTENTION = {"softmax", "log_softmax", "exp", "exp2", "matmul", "bmm", "baddbmm", "mm", "einsum", "tensordot",
+                   "scaled_dot_product_attention", "linear", "functional"}
+ADDRESSES = {"data_ptr", "pointer_type", "int_to_ptr", "untyped_storage", "from_address"}
+REACHING = {"getattr", "setattr", "delattr", "vars", "globals", "locals", "eval", "exec", "compile", "__import__",
+            "__dict__", "modules", "importlib", "ctypes", "gc"}
+
+
+def breaches(statements) -> list[str]:
+    """What in the graded definitions breaks the rule: one line each, naming the cell and line."""
+    found: list[str] = []
+    for statement in statements:
+        tree = ast.parse(statement.source)
+        for node in ast.walk(tree):
+            where = _where(statement, node)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
+                found += [f"{where}: imports {n}; the lab allows torch, triton, functools and math"
+                          for n in names if n.split(".")[0] not in ALLOWED_IMPORTS]
+        kernels = {id(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and _is_jit(n)
+                   for n in ast.walk(n)}
+        for node in ast.walk(tree):
+            name, where = _name(node), _where(statement, node)
+            if name in ADDRESSES or name in REACHING:
+                found.append(f"{where}: uses {name}; a kernel reads its inputs as tensors, through its own names")
+            elif id(node) not in kernels and (name in TORCH_ATTENTION or isinstance(node, ast.MatMult)):
+                found.append(f"{where}: computes {name or '@'} in torch, outside a @triton.jit kernel; the "
+                             f"attention must be your kernel's")
+    return sorted(set(found), key=lambda text: [int(n) for n in re.findall(r"\d+", text.split(":")[0])])
+
+
+def source_of(function) -> list:
+    """The feedback's statements: ``function``'s own source where Python can find it (cells in Jupyter do)."""
+    from kvlib.course.grading.extract import Statement
+    try:
+        return [Statement(0, function.__code__.co_firstlineno, textwrap.dedent(inspect.getsource(function)))]
+    except (AttributeError, OSError, TypeError):
+        return []
+
+
+def _where(statement, node: ast.AST) -> str:
+    line = statement.first_line + getattr(node, "lineno", 1) - 1
+    return f"code cell {statement.cell}, line {line}" if statement.cell else f"line {line} of your code"
+
+
+def _is_jit(function: ast.FunctionDef) -> bool:
+    return any("jit" in ast.unparse(d) for d in function.decorator_list)
+
+
+def _name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None

@@ -1,0 +1,171 @@
+"""Cheats that rewrite what the sandbox measures, graded as a class: each gets at most half the points of
+the tasks it cheats.
+
+Isolation keeps kvlib's answers out of the sandbox (``tests/test_grading.py``); these cheats need no
+answer. The learner's code runs in the sandbox's interpreter before the checks, so it can rewrite the
+grading module's helpers or the sandbox's loop, or send the same observations whatever the seed. Where
+a check's comparison is one-sided or its answer is the same for every correct piece, the sandbox
+sends back only the piece's decisions and the grader measures them (``decisions.py``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvlib.course.grading import lab07, lab09
+from kvlib.course.grading.checks import FEEDBACK_SEED, Observed, observe, verdict
+from kvlib.course.grading.decisions import DECIDED, Answers, answer_of, choice_of, measured
+from kvlib.course.grading.results import FAIL, PASS
+from kvlib.course.grading.runner import grade_folder
+from kvlib.course.grading.sandbox import Limits, reply_to_observed
+from kvlib.course.labs import remove_hidden_tests
+
+ROOT = Path(__file__).resolve().parents[1]
+LABS = {"lab03": ROOT / "labs" / "lab03_decode_kernel.ipynb", "lab07": ROOT / "labs" / "lab07_victim_selection.ipynb",
+        "lab09": ROOT / "labs" / "lab09_preemption_metrics.ipynb"}
+
+# Lesson 08's mistake (the candidate holding the most shared blocks) as the policy behind the patches.
+SHARED_FIRST = ("class MyVictimPolicy(LatestArrivalPolicy):\n    _patched = _patch()\n\n"
+                "    def select_victim(self, candidates, shortfall):\n"
+                "        return max(reversed(candidates), key=lambda c: c.num_shared_blocks)\n")
+SHRINK = ("def _shrink(value):\n    if isinstance(value, dict):\n        return {k: _shrink(v) for k, v in value.items()}\n"
+          "    if isinstance(value, list) and len(value) == 2 and value[1] in (True, False):\n        return [1, False]\n"
+          "    return 0 if type(value) is int else value\n")
+TORCH_DECODE = (
+    "def _torch_decode(query, k_cache, v_cache, block_tables, context_lens, scale):\n"
+    "    group = query.shape[1] // k_cache.shape[2]\n"
+    "    answer = torch.empty(query.shape, dtype=torch.float32, device=query.device)\n"
+    "    for i, n in enumerate(context_lens.tolist()):\n"
+    "        blocks = block_tables[i, : -(-n // k_cache.shape[1])].long()\n"
+    "        k = k_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, 1)\n"
+    "        v = v_cache[blocks].flatten(0, 1)[:n].float().repeat_interleave(group, 1)\n"
+    "        weights = (torch.einsum('hd,khd->hk', query[i].float(), k) * scale).softmax(-1)\n"
+    "        answer[i] = torch.einsum('hk,khd->hd', weights, v)\n"
+    "    return answer.to(query.dtype).contiguous()\n")
+CHEATS = {
+    # attention in torch; the grading module's launch check is replaced by a plain call at load time
+    "lab03_patches_the_launch_check": ("lab03", ("kernel", "engine"), [
+        "import torch\n\n\n" + TORCH_DECODE + "\n\ndef _patch():\n    import kvlib.course.grading.lab03 as g\n"
+        "    g.call_checked = lambda decode, *inputs: decode(*inputs)\n    return True\n\n\n_PATCHED = _patch()\n\n\n"
+        "def paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale):\n"
+        "    return _PATCHED and _torch_decode(query, k_cache, v_cache, block_tables, context_lens, scale)\n"]),
+    # attention in torch, handed to a Triton kernel as an integer address that it casts to a pointer and copies
+    "lab03_relays_an_address": ("lab03", ("kernel", "engine"), [
+        "import torch\nimport triton\nimport triton.language as tl\n\nTL_TYPES = {torch.float32: tl.float32, "
+        "torch.float16: tl.float16}\n\n\n@triton.jit\ndef relay_kernel(out, q, k, v, answer_at, n, DTYPE: tl.constexpr, "
+        "BLOCK: tl.constexpr):\n    offsets = tl.arange(0, BLOCK)\n    source = answer_at.to(tl.pointer_type(DTYPE))\n"
+        "    tl.store(out + offsets, tl.load(source + offsets, mask=offsets < n), mask=offsets < n)\n\n\n" + TORCH_DECODE +
+        "\n\ndef paged_decode(query, k_cache, v_cache, block_tables, context_lens, scale):\n"
+        "    answer = _torch_decode(query, k_cache, v_cache, block_tables, context_lens, scale)\n"
+        "    out = torch.empty_like(query)\n    relay_kernel[(1,)](out, query, k_cache, v_cache, answer.data_ptr(), "
+        "query.numel(), DTYPE=TL_TYPES[query.dtype], BLOCK=triton.next_power_of_2(query.numel()))\n    return out\n"]),
+    # the grading module's replay says one victim and no stall; the engine's costs are reported as none
+    "lab07_patches_the_grading_module": ("lab07", ("select_victim", "engine"), [
+        "from kvlib.core.preemption import LatestArrivalPolicy\n\n\ndef _patch():\n"
+        "    import kvlib.course.grading.lab07 as g\n    real = g._run\n"
+        "    g.replay = lambda policy, candidates, shortfall: [min(candidates, key=lambda c: c.is_requester)]\n"
+        "    g._run = lambda cls, w, seed: (lambda out: ({**out[0], 'blocks swapped out': 0, 'tokens recomputed': 0},"
+        " out[1]))(real(cls, w, seed))\n    return True\n\n\n" + SHARED_FIRST]),
+    # the sandbox's loop runs each scenario, then shrinks every count a one-sided check compares
+    "lab07_patches_the_sandbox_loop": ("lab07", ("select_victim", "engine"), [
+        "import sys\n\nfrom kvlib.core.preemption import LatestArrivalPolicy\n\n\n" + SHRINK + "\n\ndef _patch():\n"
+        "    import kvlib.course.grading.checks as c\n    import kvlib.course.grading.sandbox as s\n\n"
+        "    def fake(*args):\n        check, piece, seed = args[-3:]\n        seen = c.observe(check, piece, seed)\n"
+        "        forge = seen.status == 'observed' and check.compare is not c.same\n"
+        "        return c.Observed('observed', _shrink(seen.observation)) if forge else seen\n"
+        "    for loop, name in ((m, n) for m in (s, sys.modules['__main__']) for n in ('observe', 'decided')):\n"
+        "        if hasattr(loop, name):\n            setattr(loop, name, fake)\n"
+        "    return True\n\n\n" + SHARED_FIRST]),
+    # the sandbox sends, for every check, what kvlib's detector showed in the notebook's feedback
+    "lab09_sends_the_feedback_answers": ("lab09", ("engine",), [
+        "import json\nimport sys\n\n\ndef _patch():\n    import kvlib.course.grading.checks as c\n"
+        "    import kvlib.course.grading.sandbox as s\n    seen = json.loads(@SEEN@)\n\n"
+        "    def fake(*args):\n        return c.Observed('observed', seen[args[-3].hint])\n"
+        "    for loop, name in ((m, n) for m in (s, sys.modules['__main__']) for n in ('observe', 'decided')):\n"
+        "        if hasattr(loop, name):\n            setattr(loop, name, fake)\n"
+        "    return True\n\n\nclass MyOversubscriptionDetector:\n    _patched = _patch()\n\n"
+        "    def observe(self, metrics):\n        return None\n"]),
+    # what the hints say, taken literally: warn once when 8 requests have finished, whatever their preemptions
+    "lab09_warns_at_eight": ("lab09", ("detector",), [
+        "class MyOversubscriptionDetector:\n    def __init__(self):\n        self.warned = False\n\n"
+        "    def observe(self, metrics):\n        if self.warned or metrics.num_finished < 8:\n            return None\n"
+        "        self.warned = True\n        return 'oversubscribed: 2.0 preemptions per request; raise num_gpu_blocks "
+        "or lower max_num_seqs'\n"]),
+}
+
+
+def _feedback_answers() -> str:
+    return json.dumps({c.hint: observe(c, t.reference(), FEEDBACK_SEED).observation
+                       for t in (lab09.detector, lab09.engine) for c in t.checks})
+
+
+def _submission(folder: Path, name: str, lab: str, cells: list[str]) -> None:
+    nb = nbformat.read(LABS[lab], as_version=4)
+    for cell in nb.cells:
+        cell.source = remove_hidden_tests(cell.source)
+    nb.cells += [nbformat.v4.new_code_cell(c.replace("@SEEN@", repr(_feedback_answers()))) for c in cells]
+    nbformat.write(nb, folder / f"{name}.ipynb")
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("cheats")
+    for name, (lab, _, cells) in CHEATS.items():
+        _submission(folder, name, lab, cells)
+    return {r.notebook.stem: r for r in grade_folder(folder, jobs=2, limits=Limits(check_scale=2.0), seed=4242)}
+
+
+@pytest.mark.parametrize("name", sorted(CHEATS))
+def test_a_cheat_gets_at_most_half_the_points_of_the_tasks_it_cheats(graded, name):
+    report, cheated = graded[name], CHEATS[name][1]
+    points = sum(report.task(t).points for t in cheated)
+    assert points <= sum(report.task(t).max_points for t in cheated) / 2, report.table()
+
+
+def test_the_patches_would_pass_a_one_sided_check_if_it_were_measured_in_the_sandbox():
+    """The cheats are real: the sandbox loop's shrunken observation passes lab 07's comparison."""
+    check = lab07.select_victim.named("requester_keeps_running")
+    seen = observe(check, lab07.select_victim.reference(), 3).observation
+    shrunk = {key: [1, False] for key in seen}
+    reference = observe(check, lab07.select_victim.reference(), 3)
+    assert verdict(check, Observed("observed", shrunk), reference).status == PASS
+    assert verdict(check, measured(lab07.select_victim, check, Observed("observed", shrunk), 3), reference).status == FAIL
+
+
+def test_decisions_replayed_by_the_grader_observe_what_the_piece_did_in_the_sandbox():
+    from kvlib.core.preemption import SparingPolicy
+    for task in (lab07.select_victim, lab09.detector):
+        piece = SparingPolicy if task is lab07.select_victim else lab09._reference_detector()
+        for check in task.checks:
+            log: list = []
+            direct = observe(check, piece, 7)
+            assert observe(check, task.decisions.record(piece, log), 7) == direct and log, check.name
+            assert measured(task, check, Observed(DECIDED, log), 7) == direct, check.name
+
+
+def test_decisions_that_run_out_or_name_no_candidate_fail_the_check():
+    check = lab07.select_victim.named("one_victim_when_one_suffices")
+    assert measured(lab07.select_victim, check, Observed(DECIDED, []), 1).status == FAIL
+    failed = measured(lab07.select_victim, check, Observed(DECIDED, ["a made-up victim"] * 40), 1)
+    assert failed.status == FAIL and "a made-up victim" in failed.message
+
+
+def test_answers_that_are_not_data_keep_their_truth_and_text():
+    class Loud:
+        def observe(self, metrics):
+            return ["warn", 1]
+    log: list = []
+    answer_of("observe").record(Loud, log)().observe(None)
+    replayed = answer_of("observe").replay(Answers(log))().observe(None)
+    assert bool(replayed) and str(replayed) == "['warn', 1]" and not isinstance(replayed, str)
+    picked = choice_of("pick").replay(Answers([1, True]))()
+    assert picked.pick(["a", "b"]) == "b" and str(picked.pick(["a", "b"])) == "True"
+
+
+def test_a_reply_of_decisions_is_shape_checked():
+    assert reply_to_observed({"status": DECIDED, "decisions": [1, 2]}) == Observed(DECIDED, [1, 2])
+    with pytest.raises(ValueError):
+        reply_to_observed({"status": DECIDED, "observation": [1]})
