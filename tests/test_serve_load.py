@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.cli.bench.serve import hostile_client
+from kvlib.cli.bench.serve import hostile_bodies, hostile_client
 from kvlib.metrics import percentile
 from kvlib.serve.server import BackgroundServer
 from serve_helpers import ended_requests, scrape, settled_pools
@@ -158,11 +158,11 @@ async def poll_health(client: httpx.AsyncClient, done: asyncio.Event) -> list[tu
 
 def run_clients(server, requests, with_hostile: bool) -> tuple[list[dict], list[str], list[tuple[int, float]]]:
     async def run():
-        done = asyncio.Event()
+        done, bodies = asyncio.Event(), hostile_bodies() if with_hostile else []
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client, \
                 httpx.AsyncClient(base_url=server.url, timeout=120) as raw, \
                 httpx.AsyncClient(base_url=server.url, timeout=120) as prober:
-            attack = asyncio.create_task(hostile_client(raw, done)) if with_hostile else None
+            attack = asyncio.create_task(hostile_client(raw, done, bodies)) if with_hostile else None
             health = asyncio.create_task(poll_health(prober, done))
             results = await asyncio.gather(*(stream_one(client, p, m) for p, m in requests))
             done.set()

@@ -390,3 +390,10 @@ def test_the_prompt_count_is_refused_before_the_fields_are_validated(monkeypatch
     with pytest.raises(BadRequest, match="10000 prompts") as refused:
         parse_request(body, CompletionRequest, RequestLimits())
     assert refused.value.code == "too_many_prompts"
+
+
+def test_the_prompt_token_limit_is_checked_before_the_ids_are_scanned(small):
+    """A prompt of megabytes costs its tokenizing and no more: the limit refuses it before its ids are read."""
+    reply = completion(small, prompt=[[5] * 40, [5] * 40 + [99_999]])  # the bad id lies past the limit
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_prompt_tokens"
+    assert "81 tokens or more" in reply.json()["error"]["message"]

@@ -92,8 +92,10 @@ class EngineWork:
 def completion_work(request: CompletionRequest, model: ServedModel) -> EngineWork:
     _check_model(request, model)
     check_prompt_count(request.prompt, model.limits)  # again: a request may be built in code, not parsed
-    prompts = [_prompt_ids(p, model, f"prompt[{i}]" if is_batch(request.prompt) else "prompt")
-               for i, p in enumerate(_prompt_list(request.prompt))]
+    prompts: list[list[int]] = []
+    for i, prompt in enumerate(_prompt_list(request.prompt)):
+        param = f"prompt[{i}]" if is_batch(request.prompt) else "prompt"
+        prompts.append(_prompt_ids(prompt, model, param, spent=sum(len(p) for p in prompts)))
     return _work(request, prompts, request.max_tokens, model)
 
 
@@ -137,7 +139,8 @@ def _message_text(content, index: int) -> str:
     return "".join(texts)
 
 
-def _prompt_ids(prompt, model: ServedModel, param: str) -> list[int]:
+def _prompt_ids(prompt, model: ServedModel, param: str, spent: int = 0) -> list[int]:
+    """The prompt's token ids, checked; ``spent``: the tokens of the request's prompts before this one."""
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise BadRequest(f"the model {model.name!r} has no tokenizer: send the prompt as a list of token ids",
@@ -148,6 +151,12 @@ def _prompt_ids(prompt, model: ServedModel, param: str) -> list[int]:
             raise BadRequest(f"{param} cannot be tokenized ({err})", param=param) from None
     if not prompt:
         raise BadRequest(f"{param} is empty: give at least one token", param=param, code="empty_prompt")
+    total, cap = spent + len(prompt), model.limits.max_prompt_tokens
+    if total > cap:  # before the ids are scanned: a prompt of megabytes costs its tokenizing and no more
+        raise BadRequest(f"this request's prompts hold {total} tokens or more; this server takes at most {cap} prompt "
+                         f"tokens in one request (kvlib serve {LIMIT_FLAGS['max_prompt_tokens']}): send fewer or "
+                         f"shorter prompts, or split them over several requests", param=param.split("[")[0],
+                         code="too_many_prompt_tokens")
     bad = [t for t in prompt if not 0 <= t < model.vocab_size]
     if bad:
         raise BadRequest(f"{param} holds token id {bad[0]}, outside the model's vocabulary of {model.vocab_size} "
@@ -156,11 +165,6 @@ def _prompt_ids(prompt, model: ServedModel, param: str) -> list[int]:
 
 
 def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optional[int], model: ServedModel) -> EngineWork:
-    total, cap = sum(len(p) for p in prompts), model.limits.max_prompt_tokens
-    if total > cap:
-        raise BadRequest(f"this request's prompts hold {total} tokens; this server takes at most {cap} prompt tokens "
-                         f"in one request (kvlib serve {LIMIT_FLAGS['max_prompt_tokens']}): send fewer or shorter "
-                         f"prompts, or split them over several requests", param="prompt", code="too_many_prompt_tokens")
     longest = max(len(p) for p in prompts)
     room = model.max_model_len - longest
     if room < 1:

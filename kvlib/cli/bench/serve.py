@@ -85,14 +85,18 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
             "tpot": (end - first) / (tokens - 1) if tokens > 1 else None}
 
 
-async def hostile_client(client: httpx.AsyncClient, done: asyncio.Event, model: str = "default",
+def hostile_bodies(model: str = "default") -> list[bytes]:
+    """Requests no server should queue: a 16 MB body, 10,000 prompts in one request, a 1.5 MB text prompt."""
+    return [json.dumps({"model": model, "prompt": "x" * 16_000_000}).encode(),
+            json.dumps({"model": model, "prompt": [[5, 6, 7]] * 10_000}).encode(),
+            json.dumps({"model": model, "prompt": "a few words " * 125_000}).encode()]
+
+
+async def hostile_client(client: httpx.AsyncClient, done: asyncio.Event, bodies: list[bytes],
                          rounds: int = 3) -> list[str]:
-    """Requests no server should queue, sent until ``done`` is set (each at least once, ``rounds`` times at most): a
-    16 MB body, 10,000 prompts in one request, a 1.5 MB text prompt. What each got: its status and error code, or
-    ``closed`` (the server closed the connection on a body it would not read) or ``timeout`` (60 s)."""
-    bodies = [json.dumps({"model": model, "prompt": "x" * 16_000_000}).encode(),
-              json.dumps({"model": model, "prompt": [[5, 6, 7]] * 10_000}).encode(),
-              json.dumps({"model": model, "prompt": "a few words " * 125_000}).encode()]
+    """``bodies`` (built beforehand, so that their encoding delays no client) sent until ``done`` is set (each at
+    least once, ``rounds`` times at most). What each got: its status and error code, or ``closed`` (the server
+    closed the connection on a body it would not read) or ``timeout`` (60 s)."""
     outcomes = []
     for _ in range(rounds):
         for body in bodies:
@@ -138,6 +142,7 @@ async def drive(url: str, requests: list[tuple[list[int], int]], arrivals: list[
     limits = httpx.Limits(max_connections=len(requests) + 4, max_keepalive_connections=len(requests) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        bodies = hostile_bodies(model) if hostile else []
         start, timeline, health, done = time.perf_counter(), [], [], asyncio.Event()
 
         async def sample() -> None:
@@ -155,7 +160,7 @@ async def drive(url: str, requests: list[tuple[list[int], int]], arrivals: list[
             return await one_request(client, model, prompt, max_tokens)
 
         sampler = asyncio.create_task(sample())
-        attack = asyncio.create_task(hostile_client(client, done, model)) if hostile else None
+        attack = asyncio.create_task(hostile_client(client, done, bodies)) if hostile else None
         results = await asyncio.gather(*(send(at, p, m) for at, (p, m) in zip(arrivals, requests)))
         seconds = time.perf_counter() - start
         done.set()
