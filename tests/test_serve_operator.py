@@ -397,3 +397,45 @@ def test_the_prompt_token_limit_is_checked_before_the_ids_are_scanned(small):
     reply = completion(small, prompt=[[5] * 40, [5] * 40 + [99_999]])  # the bad id lies past the limit
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "too_many_prompt_tokens"
     assert "81 tokens or more" in reply.json()["error"]["message"]
+
+
+def test_a_whole_response_is_rendered_off_the_event_loop(llm, monkeypatch):
+    """256 prompts x n choices make a body of megabytes: /health answers while it is built (held here by the test)."""
+    from kvlib.serve import app as app_module
+    building, released, order = threading.Event(), threading.Event(), []
+    real = app_module.responses.completion
+
+    def slowly(*args):
+        building.set()
+        released.wait(20)  # only a guard against a hang: the order below is what the test judges
+        order.append("rendered")
+        return real(*args)
+
+    monkeypatch.setattr(app_module.responses, "completion", slowly)
+    with BackgroundServer(llm, "default") as server:
+        replies = {}
+        sender = threading.Thread(target=lambda: replies.update(whole=completion(server, prompt=[5, 6, 7])))
+        sender.start()
+        assert building.wait(60)
+        health = httpx.get(f"{server.url}/health", timeout=120)
+        order.append("health answered")
+        released.set()
+        sender.join()
+    assert order == ["health answered", "rendered"]
+    assert health.status_code == 200 and replies["whole"].status_code == 200
+    assert replies["whole"].json()["usage"]["prompt_tokens"] == 3
+
+
+def test_a_stream_that_fails_in_the_server_itself_still_ends_with_an_error_event_and_done(llm, monkeypatch):
+    from kvlib.serve import app as app_module
+
+    def broken(*args):
+        raise KeyError("a defect in a chunk builder")
+
+    monkeypatch.setattr(app_module.responses, "completion_chunk", broken)
+    with BackgroundServer(llm, "default") as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
+                "model": "default", "prompt": [5, 6, 7], "max_tokens": 4, "stream": True}) as reply:
+            events = read_stream(reply)
+        assert events[-1] is None and "a defect in a chunk builder" in events[-2]["error"]["message"]
+        assert settled_pools(server) == {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}

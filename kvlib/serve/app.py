@@ -10,6 +10,8 @@ the whole life of the request, and the stream's own end aborts whatever still ru
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from contextlib import asynccontextmanager
 from typing import Callable, Optional
@@ -28,6 +30,7 @@ from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRe
 from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
 from kvlib.serve.requests import ServedModel, chat_work, completion_work
 
+logger = logging.getLogger("kvlib.serve")
 CLIENT_GONE = 499  # the status nginx logs for a client that closed the connection first; nobody reads it
 
 
@@ -122,13 +125,19 @@ async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: 
     if any(not c.finished for c in gen.choices):
         return Response(status_code=CLIENT_GONE)
     build = responses.chat_completion if chat else responses.completion
-    return JSONResponse(build(gen, model.name, body.return_token_ids))
+    rendered = await asyncio.to_thread(_render, build, gen, model.name, body.return_token_ids)
+    return Response(rendered, media_type="application/json")
 
 
 def _checked_work(raw: bytes, shape: type[SamplingFields], to_work: Callable, model: ServedModel):
     """Parse, check and tokenize: on a worker thread, so that a body of megabytes never stops the event loop."""
     body = parse_request(raw, shape, model.limits)
     return body, to_work(body, model)
+
+
+def _render(build: Callable, *args) -> bytes:
+    """A whole response as JSON, on a worker thread: 256 prompts x n choices may make megabytes of it."""
+    return json.dumps(build(*args), ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -178,6 +187,9 @@ async def _stream(request: Request, gen: Generation, body: SamplingFields, model
                                                           "chat.completion.chunk" if chat else "text_completion"))
     except EngineFailure as err:
         yield responses.sse(responses.error_body(str(err), err.status))
+    except Exception as err:  # noqa: BLE001 - a defect of the server's own: the stream still ends with an event
+        logger.exception("a stream of %s failed", gen.id)
+        yield responses.sse(responses.error_body(f"the server failed: {type(err).__name__}: {err}", 500))
     finally:
         gen.close()
     yield responses.sse("[DONE]")
