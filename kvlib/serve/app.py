@@ -1,11 +1,14 @@
 """The ASGI app: OpenAI's routes over one engine loop.
 
-A request is parsed, checked and tokenized on a worker thread, so that a body of megabytes never
-stops the event loop (``/health``, the open streams); anything wrong is a 400 in OpenAI's error shape.
-It is then submitted, and answered once the engine has taken it: so a prompt the engine refuses is a
-400 too, even when streaming, since no byte of the stream has gone out yet. From then on, a client that disconnects
-aborts its request wherever it is (waiting, running, swapped): a task watches the connection for
-the whole life of the request, and the stream's own end aborts whatever still runs.
+Nothing slow runs on the event loop (it serves ``/health`` and every open stream): a request is
+parsed, checked and tokenized on a worker thread, and a whole response rendered on one; anything
+wrong is a 400 in OpenAI's error shape (a 413 for a body over the limit). A request is then
+submitted, and answered once the engine has taken it: so a prompt the engine refuses is a 400 too,
+even when streaming, since no byte of the stream has gone out yet. From then on, a client that
+disconnects aborts its request wherever it is (waiting, running, swapped): a task watches the
+connection for the whole life of the request, and the stream's own end aborts whatever still runs.
+Every stream ends with ``[DONE]``, after an ``error`` event if the engine failed, the server is
+shutting down, or the server's own code failed.
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ from kvlib.serve import responses
 from kvlib.serve.engine_loop import SHUTTING_DOWN, EngineLoop
 from kvlib.serve.generation import EngineFailure, Generation
 from kvlib.serve.prometheus import ServerMetrics
-from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
 from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
+from kvlib.serve.protocol import BadRequest, ChatCompletionRequest, CompletionRequest, SamplingFields, parse_request
 from kvlib.serve.requests import ServedModel, chat_work, completion_work
 
 logger = logging.getLogger("kvlib.serve")

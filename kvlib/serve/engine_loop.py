@@ -1,7 +1,7 @@
 """The one thread that owns the engine: it adds and aborts requests between steps, steps, and hands out outputs.
 
 The engine is not thread-safe, and it need not be: every call into it happens on this thread. The
-HTTP side only puts commands in an inbox (add, abort, or a function to run between steps) and
+HTTP side only puts commands in an inbox (add, abort, probe, or a function to run between steps) and
 reads events from the queue each request brought. A request's events, in order: ``accepted`` (after
 the first step that follows its add, when the engine did not reject it), then one ``output`` per step
 that gave it tokens, the last one finished; or a single ``error`` (a rejection, or a step that raised).
@@ -10,6 +10,8 @@ A step that raises fails every live request with that error (a 500 for the clien
 and aborts them, so their blocks go back; the loop then waits for the next request. Until a step
 succeeds again ``last_error`` holds the failure; ``probe`` asks whether the engine steps now (what
 ``/health`` asks, so that a readiness probe, which sends no traffic, sees the engine recover).
+``stop`` ends every live request with an error (503) and then the thread; after it, an abort has
+nothing to do and a submit gets its error event at once, so no caller ever waits or raises.
 """
 from __future__ import annotations
 
