@@ -36,6 +36,10 @@ class Results:
     def add(self, figure: str, value, unit: str, **fields) -> None:
         self.write({"kind": "figure", "part": self.part, "figure": figure, "value": value, "unit": unit, **fields})
 
+    def progress(self, step: str, **fields) -> None:
+        """A step starting: where a part's time went when its limit cuts it short."""
+        self.write({"kind": "progress", "part": self.part, "step": step, **fields})
+
     def error(self, check: str, error: BaseException) -> None:
         self.write({"kind": "error", "part": self.part, "check": check, "error": f"{type(error).__name__}: {error}"})
 

@@ -175,7 +175,8 @@ def part_real_engine(out) -> bool:
                                                      "preemptions")})
         report = compare(shape_folder(shape), requests, ENGINE_SLOTS, 16, rounds=1, caches=("dynamic",),
                          compare_graphs=True, static_rows=row_caps(requests, ENGINE_SLOTS)[-STATIC_ROW_CAPS:],
-                         served=served)
+                         served=served, progress=lambda step: out.progress(
+                             step, shape=shape, seconds_into_part=round(time.perf_counter() - start, 2)))
         out.add("engine greedy agreement", report["agree"], "requests equal to kvlib's", shape=shape)
         strongest = report["paired"][report["strongest"]]["median"]
         out.add("engine", strongest, "x transformers' strongest", shape=shape, strongest=report["strongest"],

@@ -167,13 +167,16 @@ def _spread(values: list[float]) -> dict:
 def compare(folder: Path, requests: list[Request], budget: int, block_size: int, rounds: int,
             placement: Placement | None = None, caches: tuple[str, ...] = ("dynamic", "static"),
             compare_graphs: bool = False, static_rows: Optional[Sequence[int]] = None,
-            served: Optional[Callable[[str, str, Served], None]] = None) -> dict:
+            served: Optional[Callable[[str, str, Served], None]] = None,
+            progress: Callable[[str], None] = lambda step: None) -> dict:
     """Tunes transformers' static batching, then serves the workload ``rounds`` times with every engine in turns.
     The tuning runs once per cache in ``caches`` and row cap in ``static_rows`` (default: every cap ``row_caps``
     finds), so a run on a time budget can try fewer. Returns the engines (their rows of every round), kvlib's paired
     ratios against each baseline, the greedy agreement and the strongest baseline. ``served(stage, engine name,
-    row)``, where given, hears of each pass as it ends (a run cut short by a time limit keeps what it had)."""
+    row)``, where given, hears of each pass as it ends (a run cut short by a time limit keeps what it had);
+    ``progress(step)`` of each step as it starts, so a run cut short says where its time went."""
     placement = placement or Placement.auto()
+    progress("building kvlib's engine")
     kvlib = KvlibServer(folder, budget, block_size, placement=placement)
     slots = kvlib.slots
     require_fits(requests, slots)
@@ -181,10 +184,12 @@ def compare(folder: Path, requests: list[Request], budget: int, block_size: int,
     if not caches or not rows_tried or min(rows_tried) < 1:
         raise ValueError(f"the static baseline needs at least one cache and row caps of at least 1 to tune over, "
                          f"got caches {list(caches)} and row caps {rows_tried}")
+    progress("loading transformers' model")
     model = load_transformers(folder, placement)
     tuning = [StaticBatches(model, slots, rows, cache, placement) for rows in rows_tried for cache in caches]
 
     def serve(engine, stage: str) -> Served:
+        progress(f"{engine.name}: {stage}")
         row = engine.serve(requests)
         if served is not None:
             served(stage, engine.name, row)
