@@ -50,3 +50,9 @@ def test_the_readme_engine_map_gives_each_files_real_line_count():
     real = {files: sum(len((PACKAGE.parent / f).read_text().splitlines()) for f in re.findall(r"`([^`]+)`", files))
             for files in stated}
     assert stated == real
+
+
+def test_every_lab_grader_is_one_readable_table():
+    """A lab's grader is its checks in a table an instructor reads through: under 250 lines each."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "course" / "grading").glob("lab*.py")}
+    assert len(sizes) == 9 and {name: n for name, n in sizes.items() if n >= 250} == {}

@@ -12,8 +12,7 @@ import numpy as np
 import torch
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.core.cost_model import PreemptionCostModel as Cost
-from kvlib.core.cost_model import attention_pairs
+from kvlib.core.cost_model import PreemptionCostModel as Cost, attention_pairs
 from kvlib.core.preemption import LatestArrivalPolicy, PreemptionContext, VictimCandidate
 from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, close, expect, same
@@ -56,8 +55,7 @@ class _CostPolicy(LatestArrivalPolicy):  # kvlib's choice, asking no swap the ho
 measure = Task("measure", ("best_in_turns",), TIMING, lambda: _kvlibs_timing)
 fit_swap = Task("fit_swap", ("fit_copy",), FITS, lambda: _kvlibs_copy_fit)
 fit_recompute = Task("fit_recompute", ("fit_forward",), FITS, lambda: _reference_fit_forward)
-choose_mode = Task("choose_mode", ("MyCostPolicy",), CHOICE, lambda: _CostPolicy)
-engine = Task("engine", ("MyCostPolicy",), CHOICE, lambda: _CostPolicy)
+choose_mode, engine = (Task(name, ("MyCostPolicy",), CHOICE, lambda: _CostPolicy) for name in ("choose_mode", "engine"))
 TASKS = [measure, fit_swap, fit_recompute, choose_mode, engine]
 check_measure, check_fit_swap, check_fit_recompute = measure.grade, fit_swap.grade, fit_recompute.grade
 check_choose_mode, check_engine = choose_mode.grade, engine.grade
