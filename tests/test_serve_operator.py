@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from kvlib import LLM, EngineConfig
+from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.serve.limits import RequestLimits
 from kvlib.serve.requests import ServedModel
 from kvlib.serve.server import BackgroundServer
@@ -451,3 +451,37 @@ def test_the_server_freezes_the_heap_it_starts_with_and_thaws_it_when_it_stops(l
         assert gc.get_freeze_count() > 0
         assert completion(server, prompt=[5, 6, 7]).status_code == 200
     assert gc.get_freeze_count() == 0
+
+
+def test_a_burst_of_requests_joins_the_engine_at_most_256_between_two_steps():
+    """Adding a request is work the running streams wait for: a burst of 600 is spread over several steps."""
+    from kvlib.serve.engine_loop import EngineLoop
+    llm = LLM("default", EngineConfig(num_gpu_blocks=512, max_num_seqs=8), verbose=False)
+    queued, step = [], llm.engine.step
+
+    def counting_step():
+        scheduler = llm.engine.scheduler
+        queued.append(len(scheduler.waiting) + len(scheduler.running) + len(scheduler.swapped))
+        return step()
+
+    llm.engine.step = counting_step
+    loop, finished, all_done = EngineLoop(llm), [], threading.Event()
+
+    def sink(event):
+        if event.kind == "output" and event.output.finished:
+            finished.append(event.output.request_id)
+            if len(finished) == 600:
+                all_done.set()
+
+    loop.start()
+    entered, hold = threading.Event(), threading.Event()
+    held = loop.call(lambda llm: (entered.set(), hold.wait(60)))  # the engine thread waits inside its inbox
+    assert entered.wait(60)
+    for i in range(600):
+        loop.submit(f"burst-{i}", [5, 6], SamplingParams(max_tokens=1), sink)
+    hold.set()
+    held.result(60)
+    assert all_done.wait(120)
+    loop.stop()
+    growth = [b - a for a, b in zip([0] + queued, queued)]
+    assert queued[0] == 256 and max(growth) <= 256 and sorted(finished) == sorted(f"burst-{i}" for i in range(600))

@@ -41,6 +41,7 @@ class EngineEvent:
 
 Sink = Callable[[EngineEvent], None]  # called on the engine thread; must only hand the event over
 SHUTTING_DOWN = "the server is shutting down"
+ADDS_PER_STEP = 256  # requests added between two steps at most: a burst waits its turn, the streams keep their pace
 PROBE_PROMPT = [0]  # a probe's prompt: one token, valid in every vocabulary
 PROBE_PARAMS = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -135,7 +136,8 @@ class EngineLoop:
             if self._probes and not self._live:
                 self._probe_alone()
             if not self._live:
-                self._wake.wait()
+                if self._inbox.empty():
+                    self._wake.wait()
                 continue
             try:
                 outputs = self.llm.engine.step()
@@ -153,14 +155,17 @@ class EngineLoop:
         self._refuse_inbox()
 
     def _drain_inbox(self) -> list[str]:
-        added = []
-        while True:
+        """Carry out the commands sent since the last step, in order, up to ``ADDS_PER_STEP`` adds: the rest wait
+        for the next step. The ids of the requests the engine took."""
+        added, adds = [], 0
+        while adds < ADDS_PER_STEP:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return added
             kind = command[0]
             if kind == "add":
+                adds += 1
                 if self._add(*command[1:]):
                     added.append(command[1])
             elif kind == "abort":
@@ -169,6 +174,7 @@ class EngineLoop:
                 self._probes.append(command[1])
             else:
                 self._call(*command[1:])
+        return added
 
     def _refuse_inbox(self) -> None:
         """After the loop stopped: what is still in the inbox gets an answer, never a wait."""
