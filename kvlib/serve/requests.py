@@ -47,8 +47,8 @@ class ServedModel:
         """``text``'s token ids, as the engine's tokenizer gives them (``Tokenizer.encode``).
 
         The tokenizers library holds the GIL through ``encode`` but lets it go in ``encode_batch`` (all but
-        about 0.1 s per million tokens): on a worker thread, a prompt of megabytes then leaves the event loop
-        (``/health``, open streams) running.
+        the hand-back of the ids, tens of ms per million tokens): on a worker thread, a prompt of megabytes
+        then leaves the event loop (``/health``, open streams) running.
         """
         return self._ids(text, "the prompt", add_special_tokens=True)
 
