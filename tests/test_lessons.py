@@ -8,6 +8,7 @@ numbers behind it disagree.
 """
 from __future__ import annotations
 
+import re
 import runpy
 from pathlib import Path
 
@@ -91,6 +92,22 @@ def test_the_count_includes_a_lessons_verdicts_table(capsys):
         assert capsys.readouterr().out.startswith("1 verdict in this lesson")
     finally:
         module._RECORDED[:] = saved
+
+
+PIN = "torch.set_num_threads(1)"
+SERVES = re.compile(r"\b(LLM|serve|run_demo|run_preemption_bench|compare)\(")  # calls that serve or time
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
+def test_torch_runs_on_one_thread_before_the_lesson_serves_anything(lesson):
+    """Lessons 06 and 08 served their slowest cells with torch's default threads: on a 2-core machine kept busy
+    by other work, two threads each slowed down several times over (lesson 06 took 288 s, lesson 08 timed out)."""
+    code = [c.source for c in nbformat.read(lesson, as_version=4).cells if c.cell_type == "code"][1:]  # after setup
+    serving = next(((i, m.start()) for i, source in enumerate(code) for m in [SERVES.search(source)] if m), None)
+    pinned = next(((i, source.index(PIN)) for i, source in enumerate(code) if PIN in source), None)
+    if serving is not None:
+        assert pinned is not None and pinned < serving, \
+            f"{lesson.name}: code cell {serving[0] + 2} serves before torch is pinned to one thread"
 
 
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)

@@ -75,7 +75,8 @@ def compare(options: Mapping[str, Callable[[], object]], *, min_rounds: int = 7,
     ``until="decided"`` stops as soon as a winner is clear; ``until="spread"`` keeps going to
     ``max_rounds`` or ``budget_s`` (for costs read with :meth:`Comparison.extra`). Each option runs
     once untimed first, so a first call's compilation or allocation is not in any round.
-    ``progress``: a label for a bar over the rounds (up to ``max_rounds``; full when the rounds stop).
+    ``progress``: a label for a bar over the rounds (as many as ``budget_s`` allows at the pace so far, at least
+    ``min_rounds``, at most ``max_rounds``; full when the rounds stop).
     """
     if until not in ("decided", "spread"):
         raise ValueError(f"until must be 'decided' or 'spread', got {until!r}")
@@ -97,7 +98,7 @@ def compare(options: Mapping[str, Callable[[], object]], *, min_rounds: int = 7,
                 began = clock()
                 options[name]()
                 rounds[name].append(clock() - began)
-            _advance(bar)
+            _advance(bar, 1 + min(max_rounds, max(min_rounds, _rounds_in(budget_s, clock() - start, index + 1))))
             done = index + 1 >= min_rounds and (
                 clock() - start > budget_s or (until == "decided" and decide(rounds, margin) is not None))
             if done:
@@ -109,9 +110,17 @@ def compare(options: Mapping[str, Callable[[], object]], *, min_rounds: int = 7,
     return Comparison(rounds, margin)
 
 
-def _advance(bar) -> None:
+def _advance(bar, expected: Optional[int] = None) -> None:
+    """One more step on the bar; ``expected``: the steps it now expects in all (the rounds the budget allows)."""
     if bar is not None:
+        if expected is not None:
+            bar.total = max(expected, bar.n + 1)
         bar.update(1)
+
+
+def _rounds_in(budget_s: float, spent_s: float, done: int) -> int:
+    """The rounds that fit the budget at the pace of those done so far."""
+    return math.ceil(budget_s / (spent_s / done)) if spent_s > 0 else done
 
 
 def median_interval(values: list[float]) -> tuple[float, float]:
