@@ -11,7 +11,7 @@ import pytest
 from kvlib.config import SamplingParams
 from kvlib.core.block_allocator import BlockAllocator
 from kvlib.core.block_manager import BlockManager
-from kvlib.core.prefix_cache import block_hash
+from kvlib.core.prefix_cache import PrefixHit, block_hash
 from kvlib.core.sequence import Sequence
 
 BS = 4
@@ -265,3 +265,32 @@ def test_a_readmitted_sequence_is_not_counted_as_a_new_prefix_query():
     queried = bm.prefix_stats.queried_tokens
     bm.admit(seq, [])  # it already holds blocks (a partial preemption left its head on the device)
     assert bm.prefix_stats.queried_tokens == queried
+
+
+def test_a_block_copied_back_from_the_host_tier_is_a_device_hit_for_the_next_request():
+    bm = manager(gpu=2, cpu=4, enable_prefix_caching=True, host_prefix_cache=True)
+    cached_and_released(bm, 4)
+    bm.drop(running(bm, range(20, 28), "filler"))  # both blocks taken: the cached one moves to the host tier
+    bm.end_step()
+    first = sequence(5)
+    hits = bm.prefix_hits(first)
+    assert [h.on_host for h in hits] == [True]
+    bm.begin_step()
+    bm.admit(first, hits)
+    bm.end_step()
+    later = sequence(5, "later")
+    assert bm.prefix_hits(later) == [PrefixHit(block_hash(None, (100, 101, 102, 103)), first.block_table.blocks[0])]
+
+
+def test_the_prefix_counters_add_up_over_every_query():
+    bm = manager(gpu=8, enable_prefix_caching=True)
+    cached_and_released(bm, 8)  # two named blocks of tokens 100..107
+    expected = [0, 0]
+    for request_id, tokens in (("a", 9), ("b", 6), ("c", range(50, 53))):
+        seq = sequence(tokens, request_id)
+        hits = bm.prefix_hits(seq)
+        bm.admit(seq, hits)
+        expected = [expected[0] + seq.num_tokens, expected[1] + len(hits) * BS]
+    assert expected == [9 + 6 + 3, 8 + 4 + 0]
+    stats = bm.prefix_stats
+    assert [stats.queried_tokens, stats.hit_tokens, stats.host_hit_tokens] == [18, 12, 0]

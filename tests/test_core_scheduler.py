@@ -334,3 +334,33 @@ def test_queueing_many_requests_finds_each_by_bisection_never_a_scan(monkeypatch
         e.step()
         check_invariants(e)
     assert len(s.waiting) <= count - 40  # they were admitted, run and finished in order
+
+
+def test_auto_mode_gives_the_policy_the_engines_cost_model_and_the_pools_state():
+    """The context of an auto-mode choice carries what the scheduler was built with (the measured cost model,
+    the block's bytes) and the state of the step: free host blocks, the running batch, what the victim gives up."""
+    from kvlib.core.block_allocator import BlockAllocator
+    from kvlib.core.block_manager import BlockManager
+    from kvlib.core.plan import SchedulerOutput
+    from kvlib.core.preemption import LatestArrivalPolicy
+
+    measured, contexts = object(), []
+
+    class Recording(LatestArrivalPolicy):
+        def choose_mode(self, victim, context):
+            contexts.append((victim.seq.request_id, context))
+            return "swap"
+
+    config = EngineConfig(block_size=2, num_gpu_blocks=2, num_cpu_blocks=4, preemption_mode="auto", watermark=0.0)
+    bm = BlockManager(2, BlockAllocator(2), BlockAllocator(4))
+    scheduler = Scheduler(config, bm, Recording(), block_bytes=123, cost_model=measured)
+    for i in range(2):
+        scheduler.add(Sequence(f"r{i}", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True), 2, float(i)))
+    plan = scheduler.schedule(SchedulerOutput())  # both prefill into one block each: the pool is full
+    scheduler.postprocess(plan, [7] * len(plan.draws), now=0.0)
+    assert contexts == []
+    scheduler.schedule(SchedulerOutput())  # r0 needs a second block: the newest, r1, gives its one up
+    [(victim, context)] = contexts
+    assert victim == "r1" and context.cost_model is measured and context.block_bytes == 123
+    assert (context.num_blocks, context.num_tokens, context.num_host_blocks) == (1, 2, 1)
+    assert context.host_free_blocks == 4 and context.batch_tokens == 2
