@@ -17,20 +17,36 @@ settings.load_profile("kvlib")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from checkpoints import write_checkpoint  # noqa: E402
-from lanes import RUNS_NOTEBOOKS, longest_first  # noqa: E402
+from lanes import RUNS_NOTEBOOKS, SLOW, longest_first  # noqa: E402
+
+
+def _names(item: pytest.Item) -> tuple[Path, str]:
+    path = Path(str(item.path))
+    return path, f"{path.name}::{getattr(item, 'originalname', item.name)}"
 
 
 def runs_notebooks(item: pytest.Item) -> bool:
-    path = Path(str(item.path))
-    test = f"{path.name}::{getattr(item, 'originalname', item.name)}"
+    path, test = _names(item)
     return (path.suffix == ".ipynb" or path.name in RUNS_NOTEBOOKS or test in RUNS_NOTEBOOKS
             or path.name.startswith("test_grading"))
+
+
+def is_slow(item: pytest.Item) -> bool:
+    path, test = _names(item)
+    return path.name in SLOW or test in SLOW
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: an engine test too long for the fast lane (tests/lanes.py's SLOW); "
+                                       "-m 'not notebooks and not slow' is the fast lane")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if runs_notebooks(item):
             item.add_marker(pytest.mark.notebooks)
+        if is_slow(item):
+            item.add_marker(pytest.mark.slow)
     items.sort(key=lambda item: longest_first(item.nodeid))  # stable: each file keeps its own order
 
 

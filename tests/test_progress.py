@@ -127,3 +127,19 @@ def test_a_notebooks_setup_silences_the_text_bars_fallback_warning():
         warnings.warn("IProgress not found. Please update jupyter and ipywidgets.", UserWarning)
         warnings.warn("another warning", UserWarning)
     assert [str(w.message) for w in caught] == ["another warning"]
+
+
+def test_the_pool_view_shows_a_bar_over_the_frames_it_draws(capsys):
+    """Lesson 06's view of two 500-block pools took 7 s to draw, silently."""
+    from kvlib.course.pool_view import show
+    llm = _llm()
+    recorder = PoolRecorder(llm)
+    llm.generate(["The KV cache"], SamplingParams(max_tokens=3, ignore_eos=True))
+    frames = len(recorder.snapshots)
+    capsys.readouterr()
+    html = show(recorder).data
+    assert "<script" in html and html.count("data:image/png;base64") == frames  # every step drawn, as before
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert last.startswith("drawing the steps: 100%") and f"{frames}/{frames}" in last
+    show(recorder, progress=False)
+    assert capsys.readouterr().err == ""

@@ -322,10 +322,30 @@ def _animation(recorder: PoolRecorder, columns: int, interval_ms: int):
                          frames=len(recorder.snapshots), interval=interval_ms)
 
 
-def show(recorder: PoolRecorder, columns: int = 16, interval_ms: int = 400):
-    """An animation of every recorded step, with play controls and a slider (HTML, for a notebook)."""
+def show(recorder: PoolRecorder, columns: int = 16, interval_ms: int = 400, progress: bool = True):
+    """An animation of every recorded step, with play controls and a slider (HTML, for a notebook).
+
+    ``progress``: a bar over the frames as they are drawn (a large pool takes about a second a frame).
+    """
+    import tempfile
+    from pathlib import Path
+
     from IPython.display import HTML
-    return HTML(_animation(recorder, columns, interval_ms).to_jshtml())
+    from matplotlib.animation import HTMLWriter
+
+    animation = _animation(recorder, columns, interval_ms)
+    bar = None
+    if progress:
+        from kvlib.course.progress import run_bar
+        bar = run_bar(len(recorder.snapshots), "drawing the steps", unit="frame")
+    with tempfile.TemporaryDirectory() as folder:  # what Animation.to_jshtml does, with a callback per frame
+        path = Path(folder, "pool.html")
+        animation.save(str(path), writer=HTMLWriter(fps=1000 / interval_ms, embed_frames=True, default_mode="loop"),
+                       progress_callback=None if bar is None else lambda done, total: bar.update(1))
+        html = path.read_text()
+    if bar is not None:
+        bar.close()
+    return HTML(html)
 
 
 def save(recorder: PoolRecorder, path: str, columns: int = 16, steps: Optional[list[int]] = None) -> str:
