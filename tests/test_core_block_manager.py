@@ -294,3 +294,23 @@ def test_the_prefix_counters_add_up_over_every_query():
     assert expected == [9 + 6 + 3, 8 + 4 + 0]
     stats = bm.prefix_stats
     assert [stats.queried_tokens, stats.hit_tokens, stats.host_hit_tokens] == [18, 12, 0]
+
+
+def test_a_host_tier_hit_costs_one_new_device_block_exactly():
+    bm = manager(gpu=3, cpu=4, enable_prefix_caching=True, host_prefix_cache=True)
+    cached_and_released(bm, 4)  # tokens 100..103 named in block 0
+    bm.drop(running(bm, range(20, 32), "filler"))  # all three blocks: the cached one moves to the host tier
+    bm.end_step()
+    seq = sequence(9)  # its first block is on the host tier, the second and the third are new
+    hits = bm.prefix_hits(seq)
+    assert [h.on_host for h in hits] == [True] and bm.num_free_blocks == 3
+    assert bm.can_admit(seq, hits, 9, use_watermark=False)  # 1 copied back + 2 new = 3: the whole pool
+    held = sequence(1, "held")
+    bm.grow(held, 1)
+    assert not bm.can_admit(seq, hits, 9, use_watermark=False)
+    assert bm.can_admit(seq, hits, 8, use_watermark=False)  # 1 copied back + 1 new
+    bm.drop(held)
+    bm.begin_step()
+    bm.admit(seq, hits)
+    bm.grow(seq, 9)
+    assert len(bm.end_step().promote) == 1 and len(seq.block_table) == 3 and bm.num_free_blocks == 0

@@ -279,6 +279,8 @@ def test_auto_mode_tells_the_policy_what_each_victim_holds_and_gives_up():
             assert victim.num_blocks == len(seq.block_table)
             assert victim.running == (seq.status is SequenceStatus.RUNNING)
             assert victim.num_shared_blocks == e.block_manager.num_shared(seq)
+            assert isinstance(victim.is_requester, bool) and isinstance(victim.running, bool)
+            assert victim.running or victim.is_requester is False  # a paused holder never asked for blocks
             kept = victim.num_blocks - context.num_blocks
             assert 0 < context.num_blocks <= victim.num_blocks
             assert context.num_tokens == seq.num_computed_tokens - min(seq.num_computed_tokens, kept * 2)
