@@ -366,3 +366,45 @@ def test_auto_mode_gives_the_policy_the_engines_cost_model_and_the_pools_state()
     assert victim == "r1" and context.cost_model is measured and context.block_bytes == 123
     assert (context.num_blocks, context.num_tokens, context.num_host_blocks) == (1, 2, 1)
     assert context.host_free_blocks == 4 and context.batch_tokens == 2
+
+
+def one_step_scheduler(max_model_len=None, max_num_seqs=256) -> Scheduler:
+    from kvlib.core.block_allocator import BlockAllocator
+    from kvlib.core.block_manager import BlockManager
+    from kvlib.core.preemption import LatestArrivalPolicy
+
+    config = EngineConfig(block_size=2, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0, max_num_seqs=max_num_seqs)
+    return Scheduler(config, BlockManager(2, BlockAllocator(8), BlockAllocator(0)), LatestArrivalPolicy(),
+                     block_bytes=1, eos_token_ids=frozenset({2}), max_model_len=max_model_len)
+
+
+@pytest.mark.parametrize("token, params, max_model_len, reason", [
+    (2, dict(max_tokens=5), None, "stop"),                           # the model's end of sequence
+    (5, dict(max_tokens=5), None, None),                             # any other token goes on
+    (2, dict(max_tokens=5, ignore_eos=True), None, None),            # asked to go on past it
+    (7, dict(max_tokens=5, ignore_eos=True, stop_token_ids=[7]), None, "stop"),  # a stop token stops regardless
+    (5, dict(max_tokens=1), None, "length"),                         # the one token asked for
+    (5, dict(max_tokens=5), 4, "length"),                            # 3 prompt tokens + 1 reach max_model_len
+    (5, dict(max_tokens=5), 5, None),
+])
+def test_a_sampled_token_finishes_a_request_for_exactly_one_reason(token, params, max_model_len, reason):
+    from kvlib.core.plan import SchedulerOutput
+
+    scheduler = one_step_scheduler(max_model_len)
+    seq = Sequence("r", [1, 3, 4], SamplingParams(**params), 2, 0.0)
+    scheduler.add(seq)
+    result = scheduler.postprocess(scheduler.schedule(SchedulerOutput()), [token], now=1.0)
+    assert seq.finish_reason == reason and result.sampled == [seq]
+    assert result.finished == ([seq] if reason else []) and (seq.status is SequenceStatus.FINISHED) == bool(reason)
+
+
+@pytest.mark.parametrize("max_num_seqs, left", [(1, 100 - 3), (2, 100 - 3 - 5), (3, 100 - 3 - 5)])
+def test_resuming_waiting_sequences_returns_the_budget_left_whichever_limit_stopped_it(max_num_seqs, left):
+    from kvlib.core.plan import SchedulerOutput
+
+    scheduler = one_step_scheduler(max_num_seqs=max_num_seqs)
+    for i, prompt in enumerate(([1, 3, 4], [1, 3, 4, 5, 6])):
+        scheduler.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=2), 2, float(i)))
+    out = SchedulerOutput()
+    assert scheduler.schedule_waiting(out, 100) == left
+    assert len(out.scheduled) == min(2, max_num_seqs)
