@@ -117,8 +117,9 @@ def test_an_empty_move_does_nothing_whatever_the_pools():
 def test_a_move_across_the_link_goes_through_the_device_pools_transfer_each_way(monkeypatch):
     device, host = KVCachePool(SPEC, 6, "meta"), KVCachePool(SPEC, 4, "cpu")
     device.transfer = RecordingTransfer()
-    with pytest.raises(ValueError, match=r"^the host pool is in pageable memory, which the GPU cannot copy to "
-                                         r"asynchronously: create it with KVCachePool\(\.\.\., 'cpu', pin_memory=True\)$"):
+    pageable = (r"^the host pool is in pageable memory, which the GPU cannot copy to asynchronously: "
+                r"create it with KVCachePool\(\.\.\., 'cpu', pin_memory=True\)$")
+    with pytest.raises(ValueError, match=pageable):
         copy_blocks_between(device, host, [0], [1])
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
     copy_blocks_between(device, host, [5, 0], [1, 3])
