@@ -148,3 +148,34 @@ def test_the_untouched_lab_gets_zero_and_says_not_implemented():
     assert report.points == 0 and report.max_points == 19
     for task in ("kernel", "engine"):
         assert report.task(task).failed_summary() == "not implemented: paged_decode", report.table()
+
+
+def test_a_near_tie_that_parts_the_tokens_in_float16_costs_the_solution_nothing():
+    """Seed 33: the solution's kernel and kvlib's decode agree within float16's tolerance at every call, but one
+    greedy choice is a near tie that rounds the other way; the calls after it decode other tokens."""
+    import nbformat
+
+    from kvlib.course.grading.checks import observe, verdict
+    from kvlib.course.grading.extract import extract, load
+    from kvlib.course.grading.hidden import hiding
+    from kvlib.course.labs import remove_hidden_tests
+    cells = [remove_hidden_tests(c.source) for c in nbformat.read(SOLUTION, as_version=4).cells if c.cell_type == "code"]
+    solution = load(extract(cells, ("paged_decode",)).statements).paged_decode
+    check = lab03.engine.named("float16_engine")
+    with hiding(lab03.engine.hidden):
+        yours = observe(check, solution, 33)
+    reference = observe(check, lab03._reference_decode, 33)
+    assert yours.observation[lab03.TOKENS] != reference.observation[lab03.TOKENS]  # the near tie is real
+    assert verdict(check, yours, reference).status == PASS
+
+
+def test_until_the_tokens_part_every_decode_call_is_compared():
+    within = lab03.until_tokens_part(lab03.CLOSE[torch.float32])
+    label = lambda n, step: f"decode call {n} (contexts of [{10 + step}] tokens)"  # noqa: E731
+    kvlibs = {label(1, 0): [1.0], label(2, 1): [2.0], label(3, 2): [3.0], lab03.TOKENS: [[5, 6, 7, 8]]}
+    parted = {label(1, 0): [1.0], label(2, 1): [2.0], label(3, 2): [9.0], lab03.TOKENS: [[5, 6, 9, 9]]}
+    assert within(parted, kvlibs) is None  # step 2 fed another token: not compared
+    wrong_before = dict(parted, **{label(2, 1): [2.5]})
+    assert "1 of 1 values differ" in within(wrong_before, kvlibs)
+    assert within(dict(kvlibs, **{label(3, 2): [9.0]}), kvlibs) is not None  # the same tokens: every call compared
+    assert within({label(1, 0): [1.0], lab03.TOKENS: [[5]]}, kvlibs) is not None  # fewer tokens: compared as a whole
