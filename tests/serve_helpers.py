@@ -57,3 +57,15 @@ def pools_state(llm) -> dict:
 def settled_pools(server, timeout: float = 30.0) -> dict:
     """The pools once the loop has handled every abort sent so far (the inbox is first in, first out)."""
     return server.engine_loop.call(pools_state).result(timeout)
+
+
+class FailingStep:
+    """Wraps ``engine.step``: raises while ``failing`` is set, as a device error would."""
+
+    def __init__(self, step):
+        self.step, self.failing = step, False
+
+    def __call__(self):
+        if self.failing:
+            raise RuntimeError("simulated device error")
+        return self.step()

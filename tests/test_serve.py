@@ -11,7 +11,7 @@ import pytest
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.serve.server import BackgroundServer
-from serve_helpers import chat_model_folder, ended_requests, scrape, settled_pools
+from serve_helpers import FailingStep, chat_model_folder, ended_requests, scrape, settled_pools
 
 NAME = "tiny-chat"
 CONFIG = EngineConfig(num_gpu_blocks=64, num_cpu_blocks=32, max_num_seqs=8)
@@ -177,18 +177,6 @@ def test_metrics_use_vllms_names(server, client):
     samples = scrape(server.url)
     assert samples["vllm:generation_tokens_total"] >= 8 and samples["vllm:time_to_first_token_seconds_count"] >= 1
     assert samples["vllm:num_requests_running"] == 0 and samples["vllm:gpu_cache_usage_perc"] == 0.0
-
-
-class FailingStep:
-    """Wraps ``engine.step``: raises while ``failing`` is set, as a device error would."""
-
-    def __init__(self, step):
-        self.step, self.failing = step, False
-
-    def __call__(self):
-        if self.failing:
-            raise RuntimeError("simulated device error")
-        return self.step()
 
 
 def test_an_engine_error_reaches_every_client_and_the_server_recovers():

@@ -22,7 +22,7 @@ from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.serve.limits import RequestLimits
 from kvlib.serve.requests import ServedModel
 from kvlib.serve.server import BackgroundServer
-from serve_helpers import chat_model_folder, scrape, settled_pools
+from serve_helpers import FailingStep, chat_model_folder, scrape, settled_pools
 
 SMALL = RequestLimits(max_prompts=4, max_prompt_tokens=64, max_body_bytes=4096)
 
@@ -226,18 +226,6 @@ def test_kvlib_serve_refuses_a_max_model_len_beyond_the_pool_before_it_listens(c
     assert run(args) == 2
     out, err = capsys.readouterr()
     assert "at most 768" in err and "--num-gpu-blocks" in err and " on http://" not in out
-
-
-class FailingStep:
-    """Wraps ``engine.step``: raises while ``failing`` is set, as a device error would."""
-
-    def __init__(self, step):
-        self.step, self.failing = step, False
-
-    def __call__(self):
-        if self.failing:
-            raise RuntimeError("simulated device error")
-        return self.step()
 
 
 def test_health_recovers_once_the_engine_steps_again_with_no_client_request_in_between():
