@@ -125,21 +125,23 @@ def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limits:
     return verdict(check, measured_once(lab, task, check, yours, seed), reference)
 
 
-_REFERENCES: dict[tuple, Observed] = {}
-_REFERENCE_LOCK = threading.Lock()
+_COMPUTED: dict[tuple, Observed] = {}  # what the grader computed in a class run, by what it depends on
+_COMPUTING = threading.Lock()
+
+
+def _once(key: tuple, compute) -> Observed:
+    """``compute()``, once per ``key`` in this process: one computation at a time, each result kept."""
+    with _COMPUTING:
+        if key not in _COMPUTED:
+            _COMPUTED[key] = compute()
+        return _COMPUTED[key]
 
 
 def reference_observation(lab: str, task_name: str, check_name: str, seed: int) -> Observed:
     """What kvlib's own piece shows in a check, computed in this process (once per seed)."""
-    key = (lab, task_name, check_name, seed)
-    with _REFERENCE_LOCK:
-        if key not in _REFERENCES:
-            task = next(t for t in tasks_of(lab) if t.name == task_name)
-            _REFERENCES[key] = observe(task.named(check_name), task.reference(), seed)
-        return _REFERENCES[key]
-
-
-_MEASURED: dict[tuple, Observed] = {}
+    task = next(t for t in tasks_of(lab) if t.name == task_name)
+    return _once(("reference", lab, task_name, check_name, seed),
+                 lambda: observe(task.named(check_name), task.reference(), seed))
 
 
 def measured_once(lab: str, task: Task, check: Check, seen: Observed, seed: int) -> Observed:
@@ -147,13 +149,8 @@ def measured_once(lab: str, task: Task, check: Check, seen: Observed, seed: int)
     correct one, often) share the grader's replay of them."""
     if seen.status != DECIDED:
         return measured(task, check, seen, seed)
-    key = (lab, task.name, check.name, seed, json.dumps(seen.observation))
-    with _REFERENCE_LOCK:
-        if key in _MEASURED:
-            return _MEASURED[key]
-    result = measured(task, check, seen, seed)
-    with _REFERENCE_LOCK:
-        return _MEASURED.setdefault(key, result)
+    return _once(("measured", lab, task.name, check.name, seed, json.dumps(seen.observation)),
+                 lambda: measured(task, check, seen, seed))
 
 
 def _union(statements) -> list[Statement]:
