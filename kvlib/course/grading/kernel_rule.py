@@ -28,19 +28,18 @@ def breaches(statements) -> list[str]:
     found: list[str] = []
     for statement in statements:
         tree = ast.parse(statement.source)
-        for node in ast.walk(tree):
-            where = _where(statement, node)
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
-                found += [f"{where}: imports {n}; the lab allows torch, triton, functools and math"
-                          for n in names if n.split(".")[0] not in ALLOWED_IMPORTS]
         kernels = {id(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and _is_jit(n)
                    for n in ast.walk(n)}
         for node in ast.walk(tree):
             name, where = _name(node), _where(statement, node)
-            if name in ADDRESSES or name in REACHING:
+            matmul = isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
+                found += [f"{where}: imports {n}; the lab allows torch, triton, functools and math"
+                          for n in names if n.split(".")[0] not in ALLOWED_IMPORTS]
+            elif name in ADDRESSES or name in REACHING:
                 found.append(f"{where}: uses {name}; a kernel reads its inputs as tensors, through its own names")
-            elif id(node) not in kernels and (name in TORCH_ATTENTION or isinstance(node, ast.MatMult)):
+            elif id(node) not in kernels and (name in TORCH_ATTENTION or matmul):
                 found.append(f"{where}: computes {name or '@'} in torch, outside a @triton.jit kernel; the "
                              f"attention must be your kernel's")
     return sorted(set(found), key=lambda text: [int(n) for n in re.findall(r"\d+", text.split(":")[0])])
