@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import fields, replace
 from pathlib import Path
 
 import nbformat
@@ -23,7 +24,10 @@ import pytest
 from test_exercises import exercises, fill_in, missed
 
 from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
+from kvlib.course import measured_runs as mr
+from kvlib.course.gpu_profiles import load_profiles
 from kvlib.course.grading.execute import execute
+from kvlib.course.model_against_run import profile_for, run_shape
 from kvlib.course.timing import TOO_CLOSE, decide, median_interval, settled
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -191,6 +195,33 @@ class TestLesson07(LessonRuns):
         assert verdicts["model agrees with measurement"] == (model == verdicts["measured cheaper"])
         same = sum(model[n] == verdicts["measured cheaper"][n] for n in model)
         assert f"it picks the measured winner at {same} of {len(model)} lengths" in printed
+
+    def test_the_assumption_a_recorded_gpu_run_contradicts_is_named_from_its_victims(self, lesson07):
+        """Every recorded run on a profiled GPU: how many of its measured winners the modelled line picks, and the
+        terms that, measured alone, make it pick them all, worked out here term by term."""
+        verdicts, _, printed = lesson07
+        profiles, assumptions = load_profiles()
+        expected_picks, expected_terms = {}, {}
+        for run in mr.load_runs():
+            profile, shape = profile_for(run, profiles), run_shape(run)
+            if profile is None or shape is None:
+                continue
+            decided = [v for v in run.victims if mr.cheaper(v.swap_seconds, v.recompute_seconds) != mr.HIDDEN]
+
+            def agreed(cost: PreemptionCostModel) -> int:
+                return sum(cost.choose(v.num_blocks, run.block_bytes, v.num_tokens, run.batch)
+                           == mr.cheaper(v.swap_seconds, v.recompute_seconds) for v in decided)
+            modelled, label = profile.cost_model(shape, assumptions), mr.run_label(run)
+            expected_picks[label] = [agreed(modelled), len(decided)]
+            expected_terms[label] = [
+                f.name for f in fields(PreemptionCostModel)
+                if agreed(replace(modelled, **{f.name: getattr(run.cost_model, f.name)})) == len(decided)
+                > agreed(modelled)]
+        assert expected_picks, "the recorded runs include runs on a profiled GPU"
+        assert verdicts["modelled picks"] == expected_picks
+        assert verdicts["deciding terms"] == expected_terms
+        for label, (agreed_here, total) in expected_picks.items():
+            assert f"against {label}: the modelled line picks {agreed_here} of {total} measured winners" in printed
 
     def test_each_machines_recompute_range_and_its_sentence(self, lesson07):
         verdicts, evidence, printed = lesson07
