@@ -66,6 +66,7 @@ def stubbed_tree(hidden: tuple[str, ...]) -> Path:
     with _BUILDING:
         if key not in _TREES:
             root = Path(tempfile.mkdtemp(prefix="kvlib-graded-"))
+            root.chmod(0o755)  # read by the sandbox, which runs as nobody where the grader is root
             atexit.register(shutil.rmtree, root, True)
             shutil.copytree(PACKAGE, root / "kvlib", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
             by_module: dict[str, set[str]] = {}

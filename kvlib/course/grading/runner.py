@@ -37,7 +37,16 @@ from kvlib.course.grading.fingerprint import FLAG_AT, resemblance, shingles
 from kvlib.course.grading.hidden import hidden_source, hiding
 from kvlib.course.grading.report import GradeReport
 from kvlib.course.grading.results import FAIL, NOT_GRADED, TIMED_OUT, CheckResult, TaskResult
-from kvlib.course.grading.sandbox import NOT_BOUNDED, NOT_ISOLATED, Crashed, Limits, Sandbox, isolation
+from kvlib.course.grading.sandbox import (
+    NOT_BOUNDED,
+    NOT_ISOLATED,
+    ROOT_OUTSIDE,
+    Crashed,
+    Limits,
+    Sandbox,
+    isolation,
+    root_outside,
+)
 
 LAB_NAME = re.compile(r"lab\d\d")
 
@@ -108,6 +117,7 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
                                                                          deadline) for check in task.checks])
     notes = [NOT_ISOLATED.format(why=isolation())] if runner is Sandbox and isolation() else []
     notes += [NOT_BOUNDED.format(why=unbounded())] if runner is Sandbox and unbounded() else []
+    notes += [ROOT_OUTSIDE.format(why=root_outside())] if runner is Sandbox and root_outside() else []
     return Graded([results[t.name] for t in tasks], notes, flags)
 
 

@@ -42,7 +42,10 @@ STARTUP_LIMIT_S = 120.0  # importing torch and kvlib, then defining the learner'
 MAX_REPLY_BYTES = 8 * 2**20
 MAX_MESSAGE_CHARS = 2000
 IN_SANDBOX = "/grading"  # where the stubbed kvlib copy is seen inside an isolated sandbox
+NOBODY = 65534  # the sandbox's user and group inside, and outside too where root can hand bubblewrap to them
 NOT_ISOLATED = "grading without isolation ({why}): for practice, not for marks"
+ROOT_OUTSIDE = ("the sandbox's user is root outside its namespaces ({why}): a submission that broke out of them "
+                "would be root on this machine")
 NOT_BOUNDED = "a submission's processes and memory are not bounded here ({why}): a fork or memory bomb slows the class"
 REPLY_DATA = {"observed": "observation", DECIDED: "decisions"}  # a reply's status -> the key of its data
 
@@ -178,6 +181,16 @@ def reply_to_observed(reply: dict) -> Observed:
 
 
 # ---- isolation ----------------------------------------------------------------------------------
+# Run by root, bubblewrap builds the sandbox without a user namespace (one made by root maps the sandbox's
+# users to root outside it), keeping only what ``setpriv`` needs to hand the process to nobody with every
+# capability, inheritable and bounding ones included, gone and no way to gain one back.
+ROOT_NAMESPACES = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                   "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+HAND_OVER = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--no-new-privs",
+             "--inh-caps=-all", "--bounding-set=-all", "--"]
+USER_NAMESPACES = ["--unshare-all", "--cap-drop", "ALL", "--uid", str(NOBODY), "--gid", str(NOBODY)]
+
+
 @functools.cache
 def isolation() -> Optional[str]:
     """None when sandboxes run isolated (bubblewrap works here), else why not."""
@@ -187,11 +200,37 @@ def isolation() -> Optional[str]:
         return f"{sys.platform} has no Linux namespaces"
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
-    with tempfile.TemporaryDirectory() as empty:
-        probe = subprocess.run([*_bwrap_arguments(Path(empty)), "true"], capture_output=True, text=True)
+    if _hands_over():
+        return None
+    probe = _probe(hand_over=False)
     if probe.returncode != 0:
         return f"bubblewrap cannot make namespaces here: {probe.stderr.strip()[:200]}"
     return None
+
+
+@functools.cache
+def _hands_over() -> bool:
+    """Whether this process is root and its sandboxes run as nobody outside them too (``ROOT_NAMESPACES``)."""
+    return os.geteuid() == 0 and shutil.which("setpriv") is not None and _probe(hand_over=True).returncode == 0
+
+
+def _probe(hand_over: bool) -> subprocess.CompletedProcess:
+    """A sandbox on an empty tree that lists every folder this Python imports from: it fails where bubblewrap
+    cannot make its namespaces, or where the sandbox's user cannot read this Python."""
+    listing = "import os, sys; [os.listdir(p) for p in sys.path if os.path.isdir(p)]"
+    with tempfile.TemporaryDirectory() as empty:
+        os.chmod(empty, 0o755)
+        return subprocess.run([*_bwrap_arguments(Path(empty), hand_over), sys.executable, "-c", listing],
+                              capture_output=True, text=True)
+
+
+def root_outside() -> Optional[str]:
+    """None unless an isolated sandbox's user is root outside its namespaces; then why it is not nobody."""
+    if isolation() is not None or os.geteuid() != 0 or _hands_over():
+        return None
+    if shutil.which("setpriv") is None:
+        return "setpriv is not installed"
+    return "a sandbox handed to nobody did not start here"
 
 
 def sandbox_command(tree: Path) -> tuple[list[str], dict[str, str]]:
@@ -204,31 +243,35 @@ def sandbox_command(tree: Path) -> tuple[list[str], dict[str, str]]:
     python = [sys.executable, "-s", "-m", "kvlib.course.grading.sandbox"]
     if isolation() is None:
         env["PYTHONPATH"] = IN_SANDBOX
-        return [*_bwrap_arguments(tree), *python], env
+        return [*_bwrap_arguments(tree, _hands_over()), *python], env
     env["PYTHONPATH"] = str(tree)
     env["HOME"] = env["TMPDIR"] = env["MPLCONFIGDIR"] = str(tree)
     env["TRITON_CACHE_DIR"] = str(tree / ".triton")
     return python, env
 
 
-def _bwrap_arguments(tree: Path) -> list[str]:
-    """Namespaces and a read-only view of this Python and ``tree`` (seen at /grading), nothing else of the disk."""
-    args = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
-    for system in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives", "/etc/ld.so.cache",
-                   "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd", "/etc/group", "/etc/localtime", "/sys"):
-        if os.path.exists(system):
-            args += ["--ro-bind", system, system]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    for device in sorted(Path("/dev").glob("nvidia*")):
-        args += ["--dev-bind", str(device), str(device)]
-    for root in _python_roots():
-        args += ["--ro-bind", root, root]
+def _bwrap_arguments(tree: Path, hand_over: bool) -> list[str]:
+    """Namespaces and a read-only view of this Python and ``tree`` (seen at /grading), nothing else of the disk;
+    with ``hand_over``, built by root and run by nobody (``ROOT_NAMESPACES``), else in user namespaces."""
+    args = ["bwrap", *(ROOT_NAMESPACES if hand_over else USER_NAMESPACES), "--die-with-parent", "--new-session",
+            "--hostname", "sandbox"]
+    binds = [(system, system) for system in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives",
+                                             "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd",
+                                             "/etc/group", "/etc/localtime", "/sys") if os.path.exists(system)]
+    binds += [(root, root) for root in _python_roots()]
     real_kvlib = str(PACKAGE)
     if any(real_kvlib == root or real_kvlib.startswith(root.rstrip("/") + "/") for root in _python_roots()):
-        args += ["--ro-bind", str(tree / "kvlib"), real_kvlib]  # an installed kvlib is seen as the stubbed copy
-    args += ["--ro-bind", str(tree), IN_SANDBOX, "--chdir", "/tmp", "--"]
-    return args
+        binds.append((str(tree / "kvlib"), real_kvlib))  # an installed kvlib is seen as the stubbed copy
+    binds.append((str(tree), IN_SANDBOX))
+    for folder in sorted({str(parent) for _, target in binds for parent in Path(target).parents} - {"/"}):
+        args += ["--perms", "0755", "--dir", folder]  # the folders above a bound one: nobody passes through them
+    for source, target in binds:
+        args += ["--ro-bind", source, target]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
+             "--perms", "1777", "--tmpfs", "/dev/shm"]
+    for device in sorted(Path("/dev").glob("nvidia*")):
+        args += ["--dev-bind", str(device), str(device)]
+    return [*args, "--chdir", "/tmp", "--", *(HAND_OVER if hand_over else [])]
 
 
 def _python_roots() -> list[str]:

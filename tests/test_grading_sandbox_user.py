@@ -1,0 +1,48 @@
+"""Run by root, the sandbox is handed to ``nobody``: its user is unprivileged outside its namespaces too, and a
+grader that cannot do that says so in the report."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from kvlib.course.grading import sandbox
+from kvlib.course.grading.hidden import stubbed_tree
+from kvlib.course.grading.runner import grade_cells
+from kvlib.course.grading.sandbox import NOBODY, Limits, isolation, root_outside, sandbox_command
+
+pytestmark = pytest.mark.skipif(isolation() is not None or os.geteuid() != 0,
+                                reason="needs root and bubblewrap: only root's sandbox can map to root outside")
+# The sandbox's user inside, and through its uid map (the identity where it has no user namespace of its own) outside.
+WHO = ("import os\nuid = os.getuid()\nfor line in open('/proc/self/uid_map'):\n    inside, outside, count = map(int, line.split())"
+       "\n    if inside <= uid < inside + count:\n        print(uid, outside + uid - inside)")
+
+
+def sandbox_users(command: list[str], env: dict[str, str]) -> tuple[int, int]:
+    """``(inside, outside)``: the user a sandbox's process runs as, in its namespaces and on this machine."""
+    python = command.index("-m")  # the sandbox's own module is replaced by a short script
+    shown = subprocess.run([*command[:python], "-c", WHO], env=env, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    inside, outside = map(int, shown.stdout.split())
+    return inside, outside
+
+
+def test_the_graders_sandbox_is_nobody_outside_its_namespaces():
+    assert root_outside() is None, root_outside()
+    assert sandbox_users(*sandbox_command(stubbed_tree(()))) == (NOBODY, NOBODY)
+
+
+def test_without_the_hand_over_the_sandbox_would_be_root_outside(monkeypatch):
+    """What the hand-over prevents, seen: bubblewrap run by root maps the sandbox's nobody to root."""
+    monkeypatch.setattr(sandbox, "_hands_over", lambda: False)
+    assert sandbox_users(*sandbox_command(stubbed_tree(()))) == (NOBODY, 0)
+
+
+def test_a_grader_that_cannot_hand_over_says_so_in_the_report(monkeypatch):
+    monkeypatch.setattr(sandbox, "_hands_over", lambda: False)
+    assert root_outside() == "a sandbox handed to nobody did not start here"
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "setpriv" else f"/usr/bin/{name}")
+    assert root_outside() == "setpriv is not installed"
+    graded = grade_cells("lab02", ["class MyBlockAllocator:\n    pass\n"], Limits(check_scale=0.25), seed=5)
+    assert any("root outside its namespaces (setpriv is not installed)" in note for note in graded.notes)
