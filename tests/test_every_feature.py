@@ -5,23 +5,29 @@ preemption, chunked prefill, tiny pools, a watermark, block sizes 1 to 32. After
 block invariants hold, no step writes into a block another sequence (or the prefix cache) still
 uses, and every block the prefix cache names still holds the K/V it was named for. Greedy tokens
 must equal transformers' ``generate``; seeded samples must equal the same request served alone in
-a pool with room. ``KVLIB_FUZZ_EXAMPLES`` sets how many workloads run (CI runs a few dozen).
+a pool with room, or part from it at one draw that run won by a near tie (``NEAR_TIE``) against the
+token taken here, and no earlier: a prompt prefilled in other chunks or beside other requests sums
+its attention in another order, and float32 rounding (logits 1e-5 apart) can turn such a tie.
+``KVLIB_FUZZ_EXAMPLES`` sets how many workloads run (CI runs a few dozen).
 """
 import os
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
 from checkpoints import hf_greedy
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.core.block_table import blocks_for
 from kvlib.core.invariants import InvariantError, check_invariants
 from kvlib.core.preemption import LatestArrivalPolicy, PreemptionCostModel
+from kvlib.runner import sampler
 
 EXAMPLES = int(os.environ.get("KVLIB_FUZZ_EXAMPLES", "30"))
+NEAR_TIE = 1e-4  # the best token of a draw beat the runner-up by less than this share of its race value
 VOCAB = 96
 _greedy_references: dict = {}
 
@@ -118,24 +124,89 @@ def serve(llm, prompts, params):
 
 
 def expected_tokens(folder, prompts, params, block_size):
-    """transformers for greedy requests; the request alone in a roomy pool for seeded samples."""
+    """transformers for greedy requests; the request alone in a roomy pool for seeded samples, with its races."""
     out = []
     for prompt, p in zip(prompts, params):
         if p.greedy:
             key = (tuple(prompt), p.max_tokens)
             if key not in _greedy_references:
                 _greedy_references[key] = hf_greedy(folder, prompt, p.max_tokens)
-            out.append([_greedy_references[key]] * p.n)
+            out.append(([_greedy_references[key]] * p.n, None))
         else:
             alone = LLM(folder, EngineConfig(block_size=block_size, num_gpu_blocks=512), verbose=False)
-            out.append([s.token_ids for s in alone.generate([prompt], p)[0].samples])
+            with recorded_races() as races:
+                samples = [s.token_ids for s in alone.generate([prompt], p)[0].samples]
+            out.append((samples, races))
     return out
+
+
+@contextmanager
+def recorded_races():
+    """Every seeded draw's two best tokens in the sampler's exponential race and how far apart their race values
+    were (relative), by (sample index, position in the output)."""
+    races, rows = {}, []
+    sample, draw = sampler.Sampler.sample, sampler.draw
+
+    def sampling(self, logits, seqs):
+        rows[:] = seqs
+        return sample(self, logits, seqs)
+
+    def drawing(logits, temperature, top_p, noise, cut):
+        probs = sampler.tempered(logits, temperature).softmax(dim=-1)
+        best = ((sampler.top_p_filter(probs, top_p) if cut else probs) / noise).topk(2, dim=-1)
+        for seq, values, tokens in zip(rows, best.values.tolist(), best.indices.tolist()):
+            if not seq.params.greedy:
+                races[seq.sample_index, len(seq.output_token_ids)] = (tokens, (values[0] - values[1]) / values[0])
+        return draw(logits, temperature, top_p, noise, cut)
+    sampler.Sampler.sample, sampler.draw = sampling, drawing
+    try:
+        yield races
+    finally:
+        sampler.Sampler.sample, sampler.draw = sample, draw
+
+
+def parted_at_a_tie(got: list[int], want: list[int], races: dict, sample: int) -> bool:
+    """Whether sample ``sample``'s tokens equal the reference's up to one draw the reference won by a near tie
+    against the token ``got`` took there (after it the two continue from different tokens)."""
+    part = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if part is None:
+        return len(got) == len(want)
+    tokens, gap = races.get((sample, part), (None, 1.0))
+    return tokens == [want[part], got[part]] and gap < NEAR_TIE
+
+
+def assert_served_as_expected(served, expected) -> None:
+    for request, (got, (want, races)) in enumerate(zip(served, expected)):
+        if races is None:
+            assert got == want, f"request {request}: greedy tokens differ from transformers'"
+            continue
+        assert len(got) == len(want)
+        for sample, (tokens, reference) in enumerate(zip(got, want)):
+            assert tokens == reference or parted_at_a_tie(tokens, reference, races, sample), \
+                f"request {request} sample {sample}: {tokens} against {reference} served alone"
+
+
+def test_a_sample_may_part_only_at_a_near_tie_against_the_token_it_took():
+    races = {(0, 2): ([18, 26], 2e-6), (1, 1): ([5, 7], 0.3)}
+    assert parted_at_a_tie([63, 87, 26], [63, 87, 18], races, 0)
+    assert not parted_at_a_tie([63, 87, 40], [63, 87, 18], races, 0)  # not the runner-up
+    assert not parted_at_a_tie([63, 7, 26], [63, 5, 18], races, 1)  # a clear win turned
+    assert not parted_at_a_tie([1, 87, 26], [63, 87, 18], races, 0)  # parted before the tie
+    assert not parted_at_a_tie([63, 87], [63, 87, 18], races, 0)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                        HealthCheck.too_slow])
 @given(workload=workloads())
+# Found by a 600-example run: sample 2's third token, a 2e-6 tie in the roomy run, turns with 2-token prefill chunks.
+@example(workload=(
+    [[56, 33, 71, 30, 74, 73, 12, 55, 64, 32, 9, 68, 58, 67, 70, 75, 83, 13, 86, 33, 35, 89, 15],
+     [56, 33, 71, 30, 74, 73, 12, 55, 64, 32, 9, 68, 58, 67, 70, 75, 83, 13, 86, 33, 35, 89, 76, 78, 39, 67]],
+    [SamplingParams(max_tokens=1, temperature=0.0, seed=494), SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=480)],
+    EngineConfig(block_size=1, num_gpu_blocks=29, num_cpu_blocks=0, preemption_mode="swap", max_num_seqs=3,
+                 max_num_batched_tokens=2, watermark=0.0),
+    PreemptionCostModel(host_link_bytes_per_s=100, prefill_tokens_per_s=100.0)))
 def test_every_feature_together(folder, workload):
     prompts, params, config, cost = workload
     llm = LLM(folder, config, preemption_policy=LatestArrivalPolicy(cost), verbose=False)
-    assert serve(llm, prompts, params) == expected_tokens(folder, prompts, params, config.block_size)
+    assert_served_as_expected(serve(llm, prompts, params), expected_tokens(folder, prompts, params, config.block_size))
