@@ -139,9 +139,12 @@ def model_key(model: str) -> tuple[str, str | None]:
 def has_measurement(gpu: str, model: str, runs: list[MeasuredRun]) -> bool:
     """Whether a recorded run measured ``model``'s shape on ``gpu`` (a profile's name, "H200 SXM 141GB"): a lesson
     then shows the measurement instead of the line modelled from published peaks."""
-    chip = re.escape(gpu.split()[0].upper())
-    return any(re.search(rf"\b{chip}\b", run.device.upper()) and model_key(run.model) == model_key(model)
-               for run in runs)
+    return any(on_chip(gpu, run.device) and model_key(run.model) == model_key(model) for run in runs)
+
+
+def on_chip(gpu: str, device: str) -> bool:
+    """Whether a device name ("NVIDIA H200") is the chip of a profile's name ("H200 SXM 141GB"; not "GH200 144GB")."""
+    return re.search(rf"\b{re.escape(gpu.split()[0].upper())}\b", device.upper()) is not None
 
 
 HIDDEN = "neither: both hidden"  # no cost clear of zero either way, as beside a decode pass that hides them

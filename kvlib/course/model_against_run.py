@@ -9,15 +9,16 @@ its modelled value shows which assumption the disagreement rests on.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 
 import torch
 
+from kvlib.cli.gpu_shapes import SHAPES
 from kvlib.core.cost_model import PreemptionCostModel
 from kvlib.course.gpu_profiles import GPUProfile, ModelShape
-from kvlib.course.measured_runs import HIDDEN, MeasuredRun, cheaper
+from kvlib.course.measured_runs import HIDDEN, MeasuredRun, cheaper, on_chip
 from kvlib.model.config import ModelConfig
+from kvlib.model.default import DEFAULT_MODEL_PATH
 
 # The cost model's terms, as a lesson names them, with the unit and scale each is shown in.
 TERMS = {
@@ -33,14 +34,11 @@ TERMS = {
 
 def profile_for(run: MeasuredRun, profiles: list[GPUProfile]) -> GPUProfile | None:
     """The profile of the GPU a run was measured on ("NVIDIA H200" is "H200 SXM 141GB", not "GH200 144GB")."""
-    return next((p for p in profiles if re.search(rf"\b{re.escape(p.name.split()[0].upper())}\b", run.device.upper())),
-                None)
+    return next((p for p in profiles if on_chip(p.name, run.device)), None)
 
 
 def run_shape(run: MeasuredRun) -> ModelShape | None:
     """The shape of the model a run measured: the built-in model, or a real shape the GPU check wrote."""
-    from kvlib.cli.gpu_shapes import SHAPES
-    from kvlib.model.default import DEFAULT_MODEL_PATH
     if run.model == "default":
         config = json.loads((DEFAULT_MODEL_PATH / "config.json").read_text())
     else:
