@@ -10,6 +10,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
 
+import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import math  # noqa: E402
 import types  # noqa: E402
@@ -419,6 +420,42 @@ def test_backend_matches_torch_backend():
     torch.testing.assert_close(triton_pool, torch_pool, atol=0, rtol=0)
     for got, want in zip(triton_outputs, torch_outputs):
         torch.testing.assert_close(got, want, **TOLERANCE[FP32])
+
+
+def test_backend_mixed_step_matches_torch_backend():
+    """Decodes packed first, then prefills, in one step: the two kernels write their rows of one output in place."""
+    block_size, group = 16, 2
+    context_lens, query_lens = [30, 50, 64], [1, 1, 14]
+    tables, num_blocks = make_block_tables(context_lens, block_size)
+    data, _, _ = make_pool(num_blocks, block_size, FP32)
+    meta = dataclasses.replace(make_meta(context_lens, query_lens, tables, block_size), num_decodes=2)
+    query = randn(sum(query_lens), KV_HEADS * group, HEAD_DIM, seed=3)
+    got, want = (backend.forward(query, data[:, LAYER, 0], data[:, LAYER, 1], meta, SCALE)
+                 for backend in (TritonAttentionBackend(), TorchAttentionBackend()))
+    torch.testing.assert_close(got, want, **TOLERANCE[FP32])
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_launchers_write_into_the_output_they_are_given(kernel):
+    block_size, context_lens = 16, [20, 37]
+    query_lens = [1, 1] if kernel == "decode" else [20, 5]
+    tables, num_blocks = make_block_tables(context_lens, block_size)
+    _, k_cache, v_cache = make_pool(num_blocks, block_size, FP32)
+    meta = make_meta(context_lens, query_lens, tables, block_size)
+    query = randn(sum(query_lens), KV_HEADS, HEAD_DIM, seed=4)
+
+    def launch(**out):
+        if kernel == "decode":
+            return kernels.paged_decode_attention(query, k_cache, v_cache, tables, meta.context_lens, SCALE, **out)
+        return kernels.paged_prefill_attention(query, k_cache, v_cache, tables, meta.context_lens, meta.query_start,
+                                               meta.max_query_len, SCALE, **out)
+    whole = torch.full((len(query) + 2, KV_HEADS, HEAD_DIM), 7.0, device=DEVICE)
+    view = whole[1:-1]
+    assert launch(out=view) is view
+    torch.testing.assert_close(view, launch(), atol=0, rtol=0)
+    assert (whole[0] == 7).all() and (whole[-1] == 7).all()  # nothing outside the rows it was given
+    with pytest.raises(ValueError, match="out must match the query's shape"):
+        launch(out=whole)
 
 
 def test_backend_copy_blocks():

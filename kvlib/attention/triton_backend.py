@@ -45,20 +45,22 @@ class TritonAttentionBackend:
         run = kernels.for_device(query.device)
         if meta.is_decode_only:
             return self._decode(run, query, k_cache, v_cache, meta, scale)
-        out = torch.empty_like(query)
+        out = torch.empty_like(query)  # each kernel writes its own rows of it in place
         decodes = meta.num_decodes
         if decodes:
-            out[:decodes] = self._decode(run, query[:decodes], k_cache, v_cache, meta.decode_part, scale)
+            self._decode(run, query[:decodes], k_cache, v_cache, meta.decode_part, scale, out[:decodes])
         rest = meta.prefill_part
-        out[decodes:] = run.paged_prefill_attention(query[decodes:], k_cache, v_cache, rest.block_tables,
-                                                    rest.context_lens, rest.query_start, rest.max_query_len, scale,
-                                                    sliding_window=rest.sliding_window)
+        run.paged_prefill_attention(query[decodes:], k_cache, v_cache, rest.block_tables, rest.context_lens,
+                                    rest.query_start, rest.max_query_len, scale, sliding_window=rest.sliding_window,
+                                    out=out[decodes:])
         return out
 
     @staticmethod
-    def _decode(run, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(run, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         return run.paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                          max_context_len=meta.max_context_len, sliding_window=meta.sliding_window)
+                                          max_context_len=meta.max_context_len, sliding_window=meta.sliding_window,
+                                          out=out)
 
     def copy_blocks(self, pool_data: torch.Tensor, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy-on-write: blocks ``src_ids`` onto ``dst_ids`` of one pool, all layers, K and V, one launch."""

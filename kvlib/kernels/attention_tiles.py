@@ -71,6 +71,18 @@ def kernel_window(sliding_window: int | None) -> int:
     return sliding_window
 
 
+def output_for(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a launcher writes attention of ``query``: ``out`` (a view of a larger output, any strides) when given,
+    else a new tensor. A step with decodes and prefills writes both kernels' rows in place this way, instead of
+    copying each result into the step's output."""
+    if out is None:
+        return torch.empty_like(query)
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must match the query's shape, dtype and device {tuple(query.shape)}, {query.dtype}, "
+                         f"{query.device}; got {tuple(out.shape)}, {out.dtype}, {out.device}")
+    return out
+
+
 @triton.jit
 def load_block_ids(table_ptr, pos, end, stride_btb, BLOCK_SIZE: tl.constexpr):
     """The block of each position ``pos < end`` (int64, so ``block x stride`` cannot overflow), 0 past ``end``."""

@@ -33,7 +33,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlib.kernels.attention_tiles import LOG2E, MIN_DOT, attend_tile, kernel_config, kernel_window, load_block_ids
+from kvlib.kernels.attention_tiles import (
+    LOG2E,
+    MIN_DOT,
+    attend_tile,
+    kernel_config,
+    kernel_window,
+    load_block_ids,
+    output_for,
+)
 
 BLOCK_N = 64  # context tokens per loop step
 DEFAULT_PROGRAMS_PER_SM = 3  # programs of the split kernel one multiprocessor holds, before one was compiled here
@@ -229,8 +237,10 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            max_context_len: int | None = None, num_splits: int | None = None,
                            sliding_window: int | None = None, block_n: int = BLOCK_N,
-                           num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """Attention of ``query`` ``[num_seqs, num_heads, head_dim]`` over each sequence's context.
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query`` ``[num_seqs, num_heads, head_dim]`` over each sequence's context, written into ``out``
+    when given (``output_for``).
 
     ``k_cache``/``v_cache`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` with any strides;
     ``block_tables`` is ``[num_seqs, max_blocks]`` int32 and ``context_lens`` ``[num_seqs]`` int32.
@@ -255,7 +265,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if block_n < MIN_DOT or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two of at least {MIN_DOT}, got {block_n}")
     window = kernel_window(sliding_window)
-    out = torch.empty_like(query)
+    out = output_for(query, out)
     if num_seqs == 0:
         return out
     if max_context_len is None:

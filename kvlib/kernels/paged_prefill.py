@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kvlib.kernels.attention_tiles import (LOG2E, MIN_DOT, attend_tile, device_capability, kernel_config,
-                                          kernel_window, load_block_ids)
+                                          kernel_window, load_block_ids, output_for)
 
 
 @triton.jit
@@ -107,7 +107,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
                             max_query_len: int, scale: float, sliding_window: int | None = None,
                             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                            num_stages: int | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed ``query`` ``[num_tokens, num_heads, head_dim]`` over the paged cache.
 
     Sequence ``i`` owns rows ``query_start[i] .. query_start[i+1]-1`` (``query_start`` is
@@ -118,7 +118,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
 
     ``block_m`` (query rows per program), ``block_n`` (context tokens per loop step), ``num_warps`` and
     ``num_stages`` are launch tunables, passable per call so a benchmark can sweep them; None takes the dtype's
-    ``kernel_config`` (Triton's default stages).
+    ``kernel_config`` (Triton's default stages). The result is written into ``out`` when given (``output_for``).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -128,7 +128,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
     window = kernel_window(sliding_window)
-    out = torch.empty_like(query)
+    out = output_for(query, out)
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
