@@ -263,12 +263,15 @@ def _bwrap_arguments(tree: Path, hand_over: bool) -> list[str]:
     if any(real_kvlib == root or real_kvlib.startswith(root.rstrip("/") + "/") for root in _python_roots()):
         binds.append((str(tree / "kvlib"), real_kvlib))  # an installed kvlib is seen as the stubbed copy
     binds.append((str(tree), IN_SANDBOX))
-    for folder in sorted({str(parent) for _, target in binds for parent in Path(target).parents} - {"/"}):
+    # The sandbox's own /tmp first, so a Python bound below it (a virtual environment in /tmp) stays visible.
+    mounts = ["/proc", "/dev", "/tmp", "/dev/shm"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
+             "--perms", "1777", "--tmpfs", "/dev/shm"]
+    above = {str(parent) for _, target in binds for parent in Path(target).parents} - {"/", *mounts}
+    for folder in sorted(above):
         args += ["--perms", "0755", "--dir", folder]  # the folders above a bound one: nobody passes through them
     for source, target in binds:
         args += ["--ro-bind", source, target]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-             "--perms", "1777", "--tmpfs", "/dev/shm"]
     for device in sorted(Path("/dev").glob("nvidia*")):
         args += ["--dev-bind", str(device), str(device)]
     return [*args, "--chdir", "/tmp", "--", *(HAND_OVER if hand_over else [])]
