@@ -145,24 +145,24 @@ def recorded_races():
     """Every seeded draw's two best tokens in the sampler's exponential race and how far apart their race values
     were (relative), by (sample index, position in the output)."""
     races, rows = {}, []
-    sample, draw = sampler.Sampler.sample, sampler.draw
+    sample, race = sampler.Sampler.sample, sampler.race
 
     def sampling(self, logits, seqs):
         rows[:] = seqs
         return sample(self, logits, seqs)
 
-    def drawing(logits, temperature, top_p, noise, cut):
-        probs = sampler.tempered(logits, temperature).softmax(dim=-1)
-        best = ((sampler.top_p_filter(probs, top_p) if cut else probs) / noise).topk(2, dim=-1)
+    def racing(*args):
+        standing = race(*args)
+        best = standing.topk(2, dim=-1)
         for seq, values, tokens in zip(rows, best.values.tolist(), best.indices.tolist()):
             if not seq.params.greedy:
                 races[seq.sample_index, len(seq.output_token_ids)] = (tokens, (values[0] - values[1]) / values[0])
-        return draw(logits, temperature, top_p, noise, cut)
-    sampler.Sampler.sample, sampler.draw = sampling, drawing
+        return standing
+    sampler.Sampler.sample, sampler.race = sampling, racing
     try:
         yield races
     finally:
-        sampler.Sampler.sample, sampler.draw = sample, draw
+        sampler.Sampler.sample, sampler.race = sample, race
 
 
 def parted_at_a_tie(got: list[int], want: list[int], races: dict, sample: int) -> bool:

@@ -39,14 +39,20 @@ def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     return torch.where(overflows, shifted, scaled)
 
 
-def draw(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor,
+def race(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor,
          cut: bool) -> torch.Tensor:
-    """One token per row of ``logits`` ``[rows, vocab]``: the race of ``probs / noise``, ``noise`` being Exp(1)
-    ``[rows, vocab]`` (``cut``: some row has ``top_p < 1``)."""
+    """Each token's standing in its row's race, ``probs / noise``, ``noise`` being Exp(1) ``[rows, vocab]``
+    (``cut``: some row has ``top_p < 1``): the largest wins."""
     probs = tempered(logits, temperature).softmax(dim=-1)
     if cut:
         probs = top_p_filter(probs, top_p)
-    return (probs / noise).argmax(dim=-1)
+    return probs / noise
+
+
+def draw(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, noise: torch.Tensor,
+         cut: bool) -> torch.Tensor:
+    """One token per row of ``logits`` ``[rows, vocab]``: the winner of its race."""
+    return race(logits, temperature, top_p, noise, cut).argmax(dim=-1)
 
 
 class Sampler:
