@@ -258,9 +258,10 @@ def _bwrap_arguments(tree: Path, hand_over: bool) -> list[str]:
     binds = [(system, system) for system in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives",
                                              "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd",
                                              "/etc/group", "/etc/localtime", "/sys") if os.path.exists(system)]
-    binds += [(root, root) for root in _python_roots()]
+    roots = _python_roots()
+    binds += [(root, root) for root in roots]
     real_kvlib = str(PACKAGE)
-    if any(real_kvlib == root or real_kvlib.startswith(root.rstrip("/") + "/") for root in _python_roots()):
+    if any(real_kvlib == root or real_kvlib.startswith(root.rstrip("/") + "/") for root in roots):
         binds.append((str(tree / "kvlib"), real_kvlib))  # an installed kvlib is seen as the stubbed copy
     binds.append((str(tree), IN_SANDBOX))
     # The sandbox's own /tmp first, so a Python bound below it (a virtual environment in /tmp) stays visible.
