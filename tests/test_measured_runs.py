@@ -169,6 +169,15 @@ def test_the_committed_gpu_checks_are_labelled_with_device_and_date():
         assert check["preflight"]["device"] in mr.check_label(check)
 
 
+def test_two_checks_of_one_day_on_one_device_are_told_apart_by_their_commit():
+    first, second = (made_up_check([DECODE]) for _ in range(2))
+    first["preflight"]["commit"], second["preflight"]["commit"] = "556d11f", "f1801b8"
+    assert mr.check_label(first) == "NVIDIA A100-SXM4-80GB (sm_80), 2026-12-06, at 556d11f"
+    assert mr.check_label(second) != mr.check_label(first)
+    labels = [mr.check_label(check) for check in mr.load_gpu_checks()]
+    assert len(set(labels)) == len(labels), f"committed GPU checks share a label: {labels}"
+
+
 def test_victim_ratios_leave_out_what_a_log_plot_cannot_show():
     run = made_up_run({16: (2.0, 1.0), 64: (0.0, 3.0), 256: (2.0, None), 1024: (4.0, -0.1), 4096: (1.0, 3.0)})
     assert mr.victim_ratios(run) == [(16, 0.5), (4096, 3.0)]

@@ -236,10 +236,12 @@ def load_gpu_checks(path: Path = RUNS_PATH) -> list[dict]:
 
 
 def check_label(check: dict) -> str:
-    """The device and date of a GPU check, as every figure of it is labelled."""
+    """The device and date of a GPU check, as every figure of it is labelled, and its commit where it is known:
+    two checks of one day on one device are told apart by what they ran."""
     preflight = check["preflight"]
     capability = f" (sm_{preflight['capability'].replace('.', '')})" if preflight.get("capability") else ""
-    return f"{preflight['device']}{capability}, {preflight['date'][:10]}"
+    commit = f", at {preflight['commit']}" if preflight.get("commit") else ""
+    return f"{preflight['device']}{capability}, {preflight['date'][:10]}{commit}"
 
 
 def figures(check: dict, name: str) -> list[dict]:
