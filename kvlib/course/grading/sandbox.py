@@ -250,6 +250,10 @@ def sandbox_command(tree: Path) -> tuple[list[str], dict[str, str]]:
     return python, env
 
 
+OWN_MOUNTS = {"/proc": ["--proc"], "/dev": ["--dev"], "/tmp": ["--perms", "1777", "--tmpfs"],
+              "/dev/shm": ["--perms", "1777", "--tmpfs"]}  # made for each sandbox, in this order
+
+
 def _bwrap_arguments(tree: Path, hand_over: bool) -> list[str]:
     """Namespaces and a read-only view of this Python and ``tree`` (seen at /grading), nothing else of the disk;
     with ``hand_over``, built by root and run by nobody (``ROOT_NAMESPACES``), else in user namespaces."""
@@ -264,11 +268,10 @@ def _bwrap_arguments(tree: Path, hand_over: bool) -> list[str]:
     if any(real_kvlib == root or real_kvlib.startswith(root.rstrip("/") + "/") for root in roots):
         binds.append((str(tree / "kvlib"), real_kvlib))  # an installed kvlib is seen as the stubbed copy
     binds.append((str(tree), IN_SANDBOX))
-    # The sandbox's own /tmp first, so a Python bound below it (a virtual environment in /tmp) stays visible.
-    mounts = ["/proc", "/dev", "/tmp", "/dev/shm"]
-    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp",
-             "--perms", "1777", "--tmpfs", "/dev/shm"]
-    above = {str(parent) for _, target in binds for parent in Path(target).parents} - {"/", *mounts}
+    # The sandbox's own mounts first, so a Python bound below one (a virtual environment in /tmp) stays visible.
+    for path, mount in OWN_MOUNTS.items():
+        args += [*mount, path]
+    above = {str(parent) for _, target in binds for parent in Path(target).parents} - {"/", *OWN_MOUNTS}
     for folder in sorted(above):
         args += ["--perms", "0755", "--dir", folder]  # the folders above a bound one: nobody passes through them
     for source, target in binds:
