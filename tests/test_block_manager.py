@@ -177,6 +177,9 @@ def test_a_host_tier_hit_is_copied_back_and_cached_again():
     moves = bm.end_step()
     assert len(moves.promote) == 2 and again.num_computed_tokens == 8 and len(again.block_table) == 3
     assert bm.cache.num_cached == 2 and bm.prefix_stats.host_hit_tokens == 8
+    third = sequence(9)  # now a device hit: the host tier's count keeps what it had
+    bm.admit(third, bm.prefix_hits(third))
+    assert (bm.prefix_stats.hit_tokens, bm.prefix_stats.host_hit_tokens) == (16, 8)
 
 
 @pytest.mark.parametrize("count", [None, 2])
