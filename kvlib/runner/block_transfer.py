@@ -92,10 +92,6 @@ class StagedTransfer:
         self.direct = direct
         self.pair_ids = PinnedIds(2, 2 * data.shape[0], data.device, streams) if direct else None
 
-    @property
-    def staging_bytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self.halves)
-
     def to_host(self, host: torch.Tensor, device_ids: list[int], host_ids: list[int]) -> None:
         """Device blocks ``device_ids`` into blocks ``host_ids`` of the pinned host pool tensor ``host``."""
         if self.direct:
