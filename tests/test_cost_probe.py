@@ -46,6 +46,63 @@ def test_the_forward_fit_recovers_the_model_that_made_the_timings(truth, q):
     assert fit["attention_call_seconds"] == pytest.approx(truth.attention_call_seconds, abs=1e-4 * truth.floor_seconds)
 
 
+ADDITIVE = PreemptionCostModel(1.0, prefill_tokens_per_s=20_000.0, floor_seconds=2.5e-3, overlap=0.0,
+                               attention_seconds_per_pair=6e-8, attention_call_seconds=8e-4)
+
+
+def test_timings_a_busy_machine_made_contradictory_are_refused_not_fitted_to_a_negative_speed():
+    """One pass slowed by other work (the chunk behind its context, by twenty times the batch's pass) makes attention look dearer than the chunks that
+    contain it: taken out of them, it leaves them costing less than nothing, and a fit priced prefill at a negative
+    speed, so that ``auto`` recomputed every victim for free."""
+    from kvlib.runner.cost_probe import ContradictoryTimings
+    timings = timings_of(ADDITIVE, 64)
+    timings.with_q_behind += 20 * timings.alone
+    with pytest.raises(ContradictoryTimings, match="cheaper"):
+        timings.fit()
+
+
+def probe_with(monkeypatch, passes_per_probe):
+    """``measure_cost_model`` over stand-in passes: the n-th probe's pass times come from ``passes_per_probe(n)``."""
+    from kvlib.runner import cost_probe
+    monkeypatch.setattr(cost_probe, "forward_pass", lambda model, pool, backend, seqs: ("pass", seqs))
+    monkeypatch.setattr(cost_probe, "copy_probes", lambda pool, n: (("copy", 1), ("copy", n)))
+    probes = []
+
+    def best_in_turns(fns, device):
+        probes.append(len(probes))
+        timings = passes_per_probe(probes[-1])
+        passes = [timings.one, timings.alone, timings.with_small, timings.with_q, timings.with_2q, timings.with_q_behind]
+        return passes + [1e-5 + arg * 1e-5 for kind, arg in fns if kind == "copy"]
+    monkeypatch.setattr(cost_probe, "best_in_turns", best_in_turns)
+    monkeypatch.setattr(cost_probe, "past_the_knee", lambda timings: True)
+    pool = type("Pool", (), {"spec": type("Spec", (), {"block_size": SMALL, "block_bytes": 2**20})(),
+                             "num_blocks": 4096, "device": torch.device("cpu")})()
+    model = type("Model", (), {"config": type("Config", (), {"max_position_embeddings": CONTEXT + 64})()})()
+    return (lambda: cost_probe.measure_cost_model(model, pool, backend=None, num_batch=BATCH)), probes
+
+
+def test_the_probe_times_again_when_its_timings_contradict_each_other(monkeypatch):
+    def passes(attempt):
+        timings = timings_of(ADDITIVE, 64)
+        if attempt == 0:
+            timings.with_q_behind += 20 * timings.alone
+        return timings
+    measure, probes = probe_with(monkeypatch, passes)
+    fitted = measure()
+    assert len(probes) == 2 and fitted.prefill_tokens_per_s == pytest.approx(ADDITIVE.prefill_tokens_per_s)
+
+
+def test_a_machine_too_busy_to_probe_is_told_what_to_do(monkeypatch):
+    def passes(attempt):
+        timings = timings_of(ADDITIVE, 64)
+        timings.with_2q = timings.with_q = timings.alone  # every prefill measured as free
+        return timings
+    measure, probes = probe_with(monkeypatch, passes)
+    with pytest.raises(RuntimeError, match="preemption_mode='swap' or 'recompute'"):
+        measure()
+    assert len(probes) > 1
+
+
 def test_the_copy_fit_recovers_call_cost_and_link_speed():
     call, link, block = 5e-5, 8e9, 737_280
     one, many = call + block / link, call + 32 * block / link

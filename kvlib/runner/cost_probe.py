@@ -29,6 +29,7 @@ PROBE_BATCH = 8  # decode sequences in the probe's batch
 REPEATS = 3  # rounds at least; more while a round is quick, up to MIN_SECONDS of timing or MAX_ROUNDS
 MIN_SECONDS = 0.5
 MAX_ROUNDS = 50
+MAX_PROBE_ATTEMPTS = 3  # probes timed while their passes contradict each other, before the engine says so
 COMPUTE_BOUND_GROWTH = 1.6  # a pass this much slower with twice the tokens is mostly arithmetic
 MEASURABLE_SHARE = 0.25  # ... provided the tokens add at least this share of the batch's own pass
 
@@ -131,6 +132,10 @@ def fit_copy(one: float, many: float, num_blocks: int, block_bytes: int) -> tupl
     return max(0.0, one - per_block), block_bytes / per_block
 
 
+class ContradictoryTimings(ValueError):
+    """The probe's passes contradict each other: other work slowed one of them, so no model fits them."""
+
+
 @dataclass
 class ForwardTimings:
     """Best wall seconds of the probe's passes, and the fit of the cost model's forward terms to them."""
@@ -155,12 +160,17 @@ class ForwardTimings:
         its arithmetic the q-token chunk added beyond the one-block prefill (or, where both are past
         the knee, the decode batch beyond one token); what the one-block prefill adds beyond its
         share of the pass is its attention call.
+
+        Raises :class:`ContradictoryTimings` where no positive price per token fits the passes.
         """
         b, small, q = self.batch, self.small, self.q
         per_pair = max(0.0, (self.with_q_behind - self.with_q) / (q * self.context)) if self.context else 0.0
         added = {n: t - self.alone - per_pair * attention_pairs(n)
                  for n, t in ((small, self.with_small), (q, self.with_q), (2 * q, self.with_2q))}
         per_token = (added[2 * q] - added[q]) / q if added[2 * q] > added[q] else added[2 * q] / (2 * q)
+        if per_token <= 0:
+            raise ContradictoryTimings(f"with its attention taken out, a prefill of {2 * q} tokens measured cheaper "
+                                       f"than the decode batch alone ({1e3 * added[2 * q]:+.3f} ms)")
         floor = self.one
         overlap = _overlap(floor, per_token, (b + small, added[small]), (b + q, added[q]))
         if overlap is None:  # both prefills are past the knee: read the overlap off the decode batch instead
@@ -203,12 +213,15 @@ def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int 
     The passes and the copies are timed in turns, so a copy finds the caches as a forward pass
     leaves them, as in the engine. The prefill chunk q is doubled while doubling it does not
     yet nearly double what it adds to the batch: until then it rides on the weight reads.
+    Passes that contradict each other (other work slowed one) are timed again, up to
+    ``MAX_PROBE_ATTEMPTS`` times; then the engine cannot be priced here, and says what to do.
     """
     batch = [(1, 0)] * num_batch
     small = max(2, device_pool.spec.block_size)
     q = max(2 * small, PROBE_TOKENS)
     copy_blocks = copy_probe_blocks(device_pool)
     copies = copy_probes(device_pool, copy_blocks)
+    contradictions = 0
     while True:
         context = max(1, min(MAX_PROBE_CONTEXT, model.config.max_position_embeddings - q))
         prefills = [[], [(small, 0)], [(q, 0)], [(2 * q, 0)], [(q, context)]]
@@ -216,11 +229,22 @@ def measure_cost_model(model, device_pool: KVCachePool, backend, num_batch: int 
                *(forward_pass(model, device_pool, backend, batch + p) for p in prefills), *copies]
         *passes, copy_one, copy_many = best_in_turns(fns, device_pool.device)
         timings = ForwardTimings(num_batch, small, q, context, *passes)
-        if past_the_knee(timings) or 4 * q > MAX_PROBE_TOKENS:
+        if not past_the_knee(timings) and 4 * q <= MAX_PROBE_TOKENS:
+            q *= 2
+            continue
+        try:
+            forward = timings.fit()
             break
-        q *= 2
+        except ContradictoryTimings as err:
+            contradictions += 1
+            if contradictions == MAX_PROBE_ATTEMPTS:
+                raise RuntimeError(
+                    f"auto preemption could not price swap and recompute here: the cost probe's passes contradicted "
+                    f"each other {contradictions} times ({err}), as when other work keeps the machine busy. Start the "
+                    f"engine again when it is quieter, or choose preemption_mode='swap' or 'recompute', which need "
+                    f"no probe") from None
     call, link = fit_copy(copy_one, copy_many, copy_blocks, device_pool.spec.block_bytes)
-    return PreemptionCostModel(host_link_bytes_per_s=link, copy_call_seconds=call, **timings.fit())
+    return PreemptionCostModel(host_link_bytes_per_s=link, copy_call_seconds=call, **forward)
 
 
 @dataclass
