@@ -178,6 +178,15 @@ def test_two_checks_of_one_day_on_one_device_are_told_apart_by_their_commit():
     assert len(set(labels)) == len(labels), f"committed GPU checks share a label: {labels}"
 
 
+def test_every_other_figure_of_a_committed_check_says_what_sets_it_apart():
+    """Four "swap paths" rows read "-, 59.5" before: which direction, block size and path each was went unsaid."""
+    rows = mr.gpu_other_rows(mr.load_gpu_checks())
+    keys = [(r["device, date"], r["figure"], r["shape"]) for r in rows]
+    assert len(set(keys)) == len(keys), [k for k in keys if keys.count(k) > 1]
+    swap = next(r for r in rows if r["figure"] == "swap paths")
+    assert swap["shape"] == "512 KiB blocks, scattered host blocks, out, 64 MiB (one direct kernel: 79.6%)"
+
+
 def test_victim_ratios_leave_out_what_a_log_plot_cannot_show():
     run = made_up_run({16: (2.0, 1.0), 64: (0.0, 3.0), 256: (2.0, None), 1024: (4.0, -0.1), 4096: (1.0, 3.0)})
     assert mr.victim_ratios(run) == [(16, 0.5), (4096, 3.0)]

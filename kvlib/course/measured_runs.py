@@ -287,9 +287,17 @@ def gpu_swap_rows(checks: list[dict]) -> list[dict]:
 
 
 def figure_shape(figure: dict) -> str:
-    """The shape a figure was measured at, from the fields it recorded."""
+    """The shape a figure was measured at, and what sets it apart from its siblings, from the fields it recorded."""
+    if figure.get("figure") == "swap paths":
+        return (f"{figure['block KiB']:,.0f} KiB blocks, {figure['host blocks']} host blocks, {figure['direction']}, "
+                f"{figure['MiB']:,.0f} MiB (one direct kernel: {figure['direct % of contiguous']:.1f}%)")
+    if "case" in figure:
+        return f"{figure['case']}: {figure['implementation']}" + (f", {figure['tuning']}" if figure.get("tuning") else "")
     if "shape" in figure:
-        return str(figure["shape"]) + (f", batch {figure['batch']}" if "batch" in figure else "")
+        batch = f", batch {figure['batch']}" if "batch" in figure else ""
+        mode = f", {figure['mode']}" + (" with partial preemption" if figure.get("partial") else "") \
+            if "mode" in figure else ""
+        return f"{figure['shape']}{batch}{mode}"
     if "batch" in figure and "context" in figure:
         bound = f" under a {figure['bound']:,} bound" if "bound" in figure else ""
         return f"{figure['batch']} x {figure['context']:,}{bound}"
