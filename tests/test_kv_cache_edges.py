@@ -45,9 +45,10 @@ def test_torchs_pinned_allocator_rounds_up_to_a_power_of_two(nbytes, pinned):
     assert torch_pinned_bytes(nbytes) == pinned
 
 
-def test_an_empty_pinned_tensor_pins_nothing_and_asks_cuda_nothing():
-    tensor, pinned = pinned_zeros((0, 3), torch.float32, cudart=None)
-    assert pinned == 0 and tensor.shape == (0, 3) and tensor.dtype == torch.float32
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_empty_pinned_tensor_pins_nothing_and_asks_cuda_nothing(dtype):
+    tensor, pinned = pinned_zeros((0, 3), dtype, cudart=None)
+    assert pinned == 0 and tensor.shape == (0, 3) and tensor.dtype == dtype
 
 
 @pytest.mark.parametrize("num_blocks, expected", [
@@ -61,6 +62,12 @@ def test_the_staging_buffer_is_bounded_on_both_sides(num_blocks, expected):
     assert staging_blocks(mib_block, num_blocks) == expected
     huge_block = KVCacheSpec(num_layers=1, num_kv_heads=8, head_dim=1024, block_size=16 * 512, dtype=torch.float32)
     assert staging_blocks(huge_block, num_blocks) == 2  # a block of 512 MiB: still two
+
+
+def test_the_staging_buffer_holds_whole_blocks():
+    three_mib_block = KVCacheSpec(num_layers=3, num_kv_heads=8, head_dim=1024, block_size=16, dtype=torch.float32)
+    blocks = staging_blocks(three_mib_block, 1000)
+    assert blocks == 85 and isinstance(blocks, int)  # 256 MiB // 3 MiB, not 85.33
 
 
 def filled(num_blocks: int, seed: int) -> KVCachePool:
