@@ -70,6 +70,15 @@ def test_recompute_range_ends():
     assert PreemptionCostModel(1e3, 1e9).recompute_range(BLOCK, BLOCK_BYTES, limit_tokens=8) is None
 
 
+def test_recompute_range_of_a_single_block():
+    """Only the one-block victim recomputes (attention grows past two copy calls at two blocks), and a limit of one
+    block still has its one length."""
+    only_one = PreemptionCostModel(1e18, 1e9, attention_seconds_per_pair=1e-3, copy_call_seconds=0.15)
+    assert only_one.recompute_range(BLOCK, BLOCK_BYTES, limit_tokens=4096) == (16, 16) \
+        == brute_force_range(only_one, 1, 4096)
+    assert PreemptionCostModel(1e3, 1e9).recompute_range(BLOCK, BLOCK_BYTES, limit_tokens=BLOCK) == (16, 16)
+
+
 def test_recompute_range_in_the_middle():
     """Attention calls dearer than two copy calls: the shortest victims swap, the middle recompute, the longest swap."""
     cost = PreemptionCostModel(50e9, 1.8e6, floor_seconds=3e-3, overlap=1.0, attention_seconds_per_pair=1.75e-10,

@@ -77,3 +77,39 @@ def test_serve_checked_names_the_step_that_broke_a_rule(llm):
 def test_serve_checked_stops_an_engine_that_does_not_finish(llm):
     with pytest.raises(StalledError, match=r"^requests were still unfinished after 2 engine steps$"):
         serve_checked(llm, [[1, 2, 3]], SamplingParams(max_tokens=10), max_steps=2)
+
+
+def test_room_for_fewer_tokens_than_a_sequence_claims_to_have_computed(llm):
+    seq = running(llm)
+    seq.num_computed_tokens = 9  # two blocks of 4 hold 8
+    with pytest.raises(InvariantError, match=rf"^sequence {seq.seq_id} claims 9 computed tokens but holds room for fewer$"):
+        check_invariants(llm.engine)
+
+
+def test_used_and_free_blocks_that_do_not_add_up_to_the_pool(llm, monkeypatch):
+    running(llm)
+    pool = llm.engine.block_manager.device_pool
+    monkeypatch.setattr(type(pool), "num_used", property(lambda self: 0))
+    with pytest.raises(InvariantError, match=r"^device pool: free 14 \+ used 0 != 16$"):
+        check_invariants(llm.engine)
+
+
+def test_swapped_sequences_and_the_host_tier_own_their_host_blocks(checkpoint):
+    """A pool that swaps, with prefix caching on the host tier: the checker counts both as owners of host blocks
+    (checked after every step) and raises nothing."""
+    config = EngineConfig(block_size=4, num_gpu_blocks=10, num_cpu_blocks=32, preemption_mode="swap", watermark=0.0,
+                          enable_prefix_caching=True, host_prefix_cache=True)
+    llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
+    prompts = [[7, 7, 7, 7, 1, 2, 3, 4, 5], [7, 7, 7, 7, 6, 5], [9, 8, 7, 6, 5, 4, 3], [7, 7, 7, 7, 1, 2, 3, 4, 6]]
+    swapped_with_host_blocks = []
+    step = llm.engine.step
+
+    def watched_step():
+        outputs = step()
+        s = llm.engine.scheduler
+        swapped_with_host_blocks.append(any(seq.host_blocks for seq in s.swapped))
+        return outputs
+    llm.engine.step = watched_step
+    serve_checked(llm, prompts, SamplingParams(max_tokens=12), max_steps=1000)
+    assert any(swapped_with_host_blocks) and llm.metrics.num_preemptions_swap > 0
+    assert llm.engine.block_manager.host_tier.num_cached > 0
