@@ -7,6 +7,7 @@ staging buffer, the scatter waits for the copy that filled it, and a staging hal
 after its last reader's event was waited on.
 """
 import contextlib
+import os
 
 import pytest
 import torch
@@ -76,6 +77,66 @@ def test_staged_transfer_moves_the_right_bytes(staging_blocks):
     expected_device[in_device] = host.data[in_host]
     transfer.to_device(host.data, in_host, in_device)
     assert torch.equal(device.data, expected_device)
+
+
+@pytest.mark.parametrize("staging_blocks", [2, 5, 64])
+def test_runtime_copies_move_the_right_bytes(staging_blocks):
+    """``copies="runtime"``: the copies across the link are raw byte copies at computed addresses (on a CPU the
+    stand-in for ``cudaMemcpyAsync`` moves the bytes at once); the same bytes land as through torch."""
+    device, host = filled_pool(40, 0), filled_pool(30, 1)
+    transfer = StagedTransfer(device.data, HostStreams(), staging_blocks, copies="runtime")
+    out_device, out_host = [3, 17, 5, 30, 8, 2, 39], [10, 11, 12, 4, 25, 13, 0]
+    expected_host = host.data.clone()
+    expected_host[out_host] = device.data[out_device]
+    transfer.to_host(host.data, out_device, out_host)
+    assert torch.equal(host.data, expected_host)
+    in_host, in_device = [25, 10, 29, 1], [0, 1, 2, 33]
+    expected_device = device.data.clone()
+    expected_device[in_device] = host.data[in_host]
+    transfer.to_device(host.data, in_host, in_device)
+    assert torch.equal(device.data, expected_device)
+
+
+def test_runtime_copies_are_one_per_run_of_host_blocks_on_the_copy_stream():
+    device, host = filled_pool(40, 0), filled_pool(30, 1)
+    streams = HostStreams()
+    streams.copy.handle = 7  # as a CUDA copy stream would be named, apart from the compute stream's 0
+    transfer = StagedTransfer(device.data, streams, staging_blocks=64, copies="runtime")
+    calls, copy = [], transfer.memcpy
+
+    def logged(dst, src, nbytes, stream):
+        calls.append((dst, src, nbytes, stream))
+        return copy(dst, src, nbytes, stream)
+    transfer.memcpy = logged
+    transfer.to_host(host.data, [3, 17, 5, 30, 8, 2, 39], [10, 11, 12, 4, 25, 13, 0])
+    block = device.data[0].numel() * device.data.element_size()
+    staged = transfer.halves[transfer.turn].data_ptr()
+    # sorted by host block: 0 | 4 | 10-13 | 25, staged in that order
+    assert calls == [(host.data[0].data_ptr(), staged, block, 7), (host.data[4].data_ptr(), staged + block, block, 7),
+                     (host.data[10].data_ptr(), staged + 2 * block, 4 * block, 7),
+                     (host.data[25].data_ptr(), staged + 6 * block, block, 7)]
+
+
+def test_runtime_copies_refuse_what_is_not_one_run_of_bytes_and_report_a_refused_copy():
+    from kvlib.runner.runtime_copies import issue, spans
+    a, b = torch.zeros(4, 4), torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        spans([a[:, :2]], [b[:, :2]])
+    with pytest.raises(ValueError, match="cannot copy"):
+        spans([a], [b[:2]])
+    with pytest.raises(ValueError, match="1 destinations for 2 sources"):
+        spans([a], [a, b])
+    with pytest.raises(RuntimeError, match="failed with CUDA error 700"):
+        issue(lambda dst, src, nbytes, stream: 700, spans([a], [b]), 0)
+    with pytest.raises(ValueError, match="copies must be one of"):
+        StagedTransfer(a, HostStreams(), 2, copies="memcpy")
+
+
+def test_the_runtime_is_looked_up_among_the_libraries_this_process_loaded():
+    from kvlib.runner.runtime_copies import _loaded
+    path = _loaded("libc.so")
+    assert path is not None and os.path.exists(path) and "libc.so" in os.path.basename(path)
+    assert _loaded("libkvlib-nothing.so") is None
 
 
 def test_direct_transfer_moves_the_right_bytes():
@@ -198,3 +259,31 @@ def test_staged_transfer_orders_its_copies_with_events():
     host_waits = [arg for stream, op, arg in log if op == "synchronize"]
     recorded_here = {arg for _, op, arg in log if op == "record"}
     assert not set(host_waits) & recorded_here, "the host waited on work it had just issued"
+
+
+def test_the_swap_paths_bench_moves_every_path_right():
+    """``kvlib bench swap``'s comparison of the paths, run over host memory: each path's bytes land where they
+    should and each gets its times; a path that cannot be built gets its error instead."""
+    pytest.importorskip("triton")
+    from kvlib.cli.bench.swap import measure_swap_paths
+    rows = measure_swap_paths(SPEC, num_blocks=6, repeats=2, device=torch.device("cpu"))
+    assert [row["direction"] for row in rows] == ["out", "in"]
+    for row in rows:
+        assert all(row[f"{path} copied right"] for path in ("staged", "runtime", "direct")), row
+        assert all(row[f"{path} GB/s"] > 0 for path in ("staged", "runtime", "direct", "contiguous"))
+
+
+def test_a_swap_path_that_cannot_be_built_reports_why(monkeypatch):
+    pytest.importorskip("triton")
+    from kvlib.cli.bench import swap
+    real = swap.StagedTransfer
+
+    def without_a_runtime(*args, copies="torch", **kwargs):
+        if copies == "runtime":
+            raise RuntimeError("copies='runtime' found no CUDA runtime library to call (libcudart)")
+        return real(*args, copies=copies, **kwargs)
+    monkeypatch.setattr(swap, "StagedTransfer", without_a_runtime)
+    out, back = swap.measure_swap_paths(SPEC, num_blocks=4, repeats=1, device=torch.device("cpu"))
+    for row in (out, back):
+        assert row["runtime error"].startswith("RuntimeError: copies='runtime' found no CUDA runtime")
+        assert "runtime GB/s" not in row and row["staged copied right"] and row["direct copied right"]

@@ -61,7 +61,7 @@ PARTS = [  # in order of value; limits from the H200 run of 2026-12-04 on a fres
                            "needed, against one that holds it all"),
     Part("decode", 30, "decode bandwidth against HBM peak per shape, split counts and tunings, eager and "
                        "graph-replayed, against torch SDPA over a contiguous cache"),
-    Part("swap", 35, "swap, staged and direct, at several block sizes against a pinned contiguous copy, both ways"),
+    Part("swap", 35, "swap, staged (torch's copies or the CUDA runtime's) and direct, at several block sizes against a pinned contiguous copy, both ways"),
     Part("prefill", 18, "chunked-prefill attention in TFLOP/s per tuning against SDPA's fused path"),
     Part("engine", 32, "built-in model: token-exact greedy vs the torch engine and transformers; swap, host tier, "
                        "n > 1; synchronizations per step; memory profile; pinned bytes; swap time"),

@@ -286,11 +286,16 @@ def gpu_swap_rows(checks: list[dict]) -> list[dict]:
             for check in checks for f in figures(check, "swap")]
 
 
+SWAP_PATHS = (("runtime", "staged, copies issued to the CUDA runtime"), ("direct", "one direct kernel"))
+
+
 def figure_shape(figure: dict) -> str:
     """The shape a figure was measured at, and what sets it apart from its siblings, from the fields it recorded."""
     if figure.get("figure") == "swap paths":
+        others = "; ".join(f"{label}: {figure[f'{path} % of contiguous']:.1f}%" for path, label in SWAP_PATHS
+                           if f"{path} % of contiguous" in figure)
         return (f"{figure['block KiB']:,.0f} KiB blocks, {figure['host blocks']} host blocks, {figure['direction']}, "
-                f"{figure['MiB']:,.0f} MiB (one direct kernel: {figure['direct % of contiguous']:.1f}%)")
+                f"{figure['MiB']:,.0f} MiB" + (f" ({others})" if others else ""))
     if "case" in figure:
         return f"{figure['case']}: {figure['implementation']}" + (f", {figure['tuning']}" if figure.get("tuning") else "")
     if "shape" in figure:

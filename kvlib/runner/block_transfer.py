@@ -21,11 +21,17 @@ the device: ``streams`` (``kvlib.runner.streams``) orders everything with events
 ``direct=True`` selects another path: one kernel (``kvlib.kernels.copy_blocks_across``) reads or writes
 the pinned host pool itself, so scattered host blocks cost no copy each, at the price of running on
 the compute stream (the model's work waits for the link) and of taking multiprocessors for the
-transfer. The staged path stays the default; ``kvlib bench swap`` measures both.
+transfer. ``copies="runtime"`` keeps the staged path but issues its copies across the link straight to
+the CUDA runtime (``kvlib.runner.runtime_copies``) instead of through torch. The staged path with torch's
+copies stays the default; ``kvlib bench swap`` measures all three.
 """
 from __future__ import annotations
 
 import torch
+
+from kvlib.runner.runtime_copies import host_memcpy, issue, runtime_memcpy, spans
+
+COPIES = ("torch", "runtime")  # who issues the staged path's copies across the link
 
 OUT, IN = 0, 1  # rows of the id buffers: one per direction, so a swap-in never waits on the swap-out's upload
 
@@ -77,11 +83,20 @@ class PinnedIds:
 class StagedTransfer:
     """Block moves between one device pool and pinned host pools of the same block shape."""
 
-    def __init__(self, data: torch.Tensor, streams, staging_blocks: int, direct: bool = False):
+    def __init__(self, data: torch.Tensor, streams, staging_blocks: int, direct: bool = False, copies: str = "torch"):
         """``data``: the device pool tensor, ``[num_blocks, *block]``; ``staging_blocks``: blocks the buffer holds;
-        ``direct``: move blocks with one kernel over the host memory instead (see the module doc)."""
+        ``direct``: move blocks with one kernel over the host memory instead; ``copies``: who issues the copies
+        across the link, torch or the CUDA runtime (see the module doc)."""
         if staging_blocks < 2:
             raise ValueError(f"the staging buffer needs room for at least 2 blocks (one per half), got {staging_blocks}")
+        if copies not in COPIES:
+            raise ValueError(f"copies must be one of {COPIES}, got {copies!r}")
+        self.memcpy = None  # None: torch issues the copies
+        if copies == "runtime":
+            self.memcpy = runtime_memcpy() if data.device.type == "cuda" else host_memcpy
+            if self.memcpy is None:
+                raise RuntimeError("copies='runtime' found no CUDA runtime library to call (libcudart); "
+                                   "use copies='torch'")
         self.data = data
         self.streams = streams
         half = 0 if direct else staging_blocks // 2  # the direct path stages nothing
@@ -105,7 +120,7 @@ class StagedTransfer:
             gathered = compute.record()
             with copy:
                 copy.wait(gathered)
-                torch._foreach_copy_(host_views, staged_views, non_blocking=True)
+                self._across(host_views, staged_views)
                 self.released[self.turn] = copy.record()
 
     def to_device(self, host: torch.Tensor, host_ids: list[int], device_ids: list[int]) -> None:
@@ -117,12 +132,19 @@ class StagedTransfer:
         for ids, staged, host_views, staged_views in self._chunks(IN, host, host_ids, device_ids):
             with copy:
                 copy.wait(self.released[self.turn])
-                torch._foreach_copy_(staged_views, host_views, non_blocking=True)
+                self._across(staged_views, host_views)
                 landed = copy.record()
             compute.wait(landed)
             with compute:
                 self.data.index_copy_(0, ids, staged)
             self.released[self.turn] = compute.record()
+
+    def _across(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """Each run of blocks across the link, on the copy stream (the caller entered it)."""
+        if self.memcpy is None:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        else:
+            issue(self.memcpy, spans(dsts, srcs), self.streams.copy.handle)
 
     def _move_directly(self, row: int, src: torch.Tensor, dst: torch.Tensor, src_ids: list[int],
                        dst_ids: list[int]) -> None:

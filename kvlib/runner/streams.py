@@ -46,6 +46,8 @@ class HostStream:
     def __exit__(self, *exc) -> None:
         pass
 
+    handle = 0  # what the CUDA runtime would call the stream: none here
+
     def record(self, timing: bool = False) -> HostEvent:
         return HostEvent()
 
@@ -93,6 +95,11 @@ class CudaStream:
 
     def __exit__(self, *exc) -> None:
         self._context.__exit__(*exc)
+
+    @property
+    def handle(self) -> int:
+        """The stream as the CUDA runtime names it (``cudaStream_t``), for calls made to it directly."""
+        return self._current().cuda_stream
 
     def record(self, timing: bool = False) -> CudaEvent:
         event = torch.cuda.Event(enable_timing=timing)

@@ -19,10 +19,10 @@ to find.
   them); the GPU is synchronized around each run. The
   warm-up's result is checked byte for byte against the source blocks (``copied right``).
 
-``swap_paths_bench`` (for a GPU check) sets the engine's staged path against one kernel moving the
-scattered blocks over the pinned host memory directly (``StagedTransfer(direct=True)``), and both
-against the contiguous copy: llama-3-8b blocks of 512 KiB and 2 MiB, scattered host blocks, both
-directions, every path's bytes checked.
+``swap_paths_bench`` (for a GPU check) sets the engine's staged path against the same path with its copies
+issued to the CUDA runtime (``StagedTransfer(copies="runtime")``) and one kernel moving the scattered blocks
+over the pinned host memory directly (``StagedTransfer(direct=True)``), and all against the contiguous copy:
+llama-3-8b blocks of 512 KiB and 2 MiB, scattered host blocks, both directions, every path's bytes checked.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ from kvlib.model.default import DEFAULT_CONFIG
 from kvlib.runner.block_transfer import StagedTransfer
 from kvlib.runner.cost_probe import time_once
 from kvlib.runner.device import resolve_device, resolve_dtype
-from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between
+from kvlib.runner.kv_cache import KVCachePool, KVCacheSpec, copy_blocks_between, staging_blocks
+from kvlib.runner.streams import HostStreams
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 MODELS = {"default": DEFAULT_CONFIG, "llama-3-8b": LLAMA3_8B_CONFIG}
@@ -107,24 +108,36 @@ PATH_BLOCK_SIZES = (4, 16)  # llama-3-8b blocks of 512 KiB and 2 MiB
 
 def moved_right(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> bool:
     """Whether blocks ``dst_ids`` of ``dst`` hold exactly blocks ``src_ids`` of ``src`` (the GPU waited for)."""
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return torch.equal(dst[dst_ids].cpu(), src[src_ids].cpu())
 
 
-def measure_swap_paths(spec: KVCacheSpec, num_blocks: int, repeats: int = 9, seed: int = 0) -> list[dict]:
-    """Scattered blocks both ways between a GPU pool and a pinned host pool, three ways: the staged path (the
-    engine's default), one direct kernel over the pinned memory (``StagedTransfer(direct=True)``) and one
-    contiguous copy of the same bytes. One row per direction; each path's result is checked byte for byte
-    after its warm-up, into destination blocks zeroed first. A path that fails (Triton refusing the pinned
-    pointer, say) gets its error in the row instead of times."""
+def measure_swap_paths(spec: KVCacheSpec, num_blocks: int, repeats: int = 9, seed: int = 0,
+                       device: torch.device = torch.device("cuda")) -> list[dict]:
+    """Scattered blocks both ways between a GPU pool and a pinned host pool, four ways: the staged path (the
+    engine's default), the staged path with its copies issued to the CUDA runtime
+    (``StagedTransfer(copies="runtime")``, the row's ``runtime`` path), one direct kernel over the pinned memory
+    (``StagedTransfer(direct=True)``) and one contiguous copy of the same bytes. One row per direction; each
+    path's result is checked byte for byte after its warm-up, into destination blocks zeroed first. A path that
+    fails (Triton refusing the pinned pointer, no CUDA runtime library to call) gets its error in the row
+    instead of times. ``device``: a GPU's; on a CPU the paths' bookkeeping runs over host memory, for the tests."""
     generator = torch.Generator().manual_seed(seed)
-    device = torch.device("cuda")
     device_pool = KVCachePool(spec, 2 * num_blocks, device)
-    host_pool = KVCachePool(spec, 2 * num_blocks, "cpu", pin_memory=True)
+    host_pool = KVCachePool(spec, 2 * num_blocks, "cpu", pin_memory=device.type == "cuda")
     for pool in (device_pool, host_pool):
         pool.data.copy_(torch.rand(pool.data.shape, generator=generator).to(spec.dtype))
-    staged = device_pool.transfer
-    direct = StagedTransfer(device_pool.data, staged.streams, staging_blocks=2, direct=True)
+    staged = device_pool.transfer or StagedTransfer(device_pool.data, HostStreams(), staging_blocks(spec, 2 * num_blocks))
+    transfers = {"staged": lambda: staged,
+                 "runtime": lambda: StagedTransfer(device_pool.data, staged.streams, 2 * staged.halves[0].shape[0],
+                                                   copies="runtime"),
+                 "direct": lambda: StagedTransfer(device_pool.data, staged.streams, staging_blocks=2, direct=True)}
+    built: dict[str, object] = {}
+    for name, build in transfers.items():
+        try:
+            built[name] = build()
+        except Exception as error:  # noqa: BLE001 - a path this machine cannot build is a finding, not a crash
+            built[name] = f"{type(error).__name__}: {error}"[:300]
     rows = []
     for direction, src, dst in [("out", device_pool, host_pool), ("in", host_pool, device_pool)]:
         device_ids = torch.randperm(2 * num_blocks, generator=generator)[:num_blocks].tolist()
@@ -139,13 +152,16 @@ def measure_swap_paths(spec: KVCacheSpec, num_blocks: int, repeats: int = 9, see
         def contiguous():
             dst.data[:num_blocks].copy_(src.data[:num_blocks])
 
-        paths = {"staged": move(staged), "direct": move(direct)}
         nbytes = num_blocks * spec.block_bytes
         row = {"block KiB": spec.block_bytes / 1024, "blocks": num_blocks, "MiB": nbytes / 2**20,
                "direction": direction, "host blocks": "scattered"}
         working = {}
-        for name, fn in paths.items():
+        for name, transfer in built.items():
+            if isinstance(transfer, str):
+                row[f"{name} error"] = transfer
+                continue
             dst.data[dst_ids] = 0
+            fn = move(transfer)
             try:
                 fn()
             except Exception as error:  # noqa: BLE001 - a path this GPU or Triton refuses is a finding, not a crash
