@@ -11,9 +11,11 @@ RUNS_NOTEBOOKS = {"test_exercises.py", "test_first_cell.py", "test_fresh_install
 
 # Measured in the fast lane on 2 busy cores (BENCHMARKS.md, "Lessons and the fast lane on a shared 2-core machine"):
 # 175 s for the warm-up test, about 120 s for SmolLM2 against transformers (59 s of it preparing the reference),
-# 42 s for the two graph-replay cases and 31 s for compiling every kernel variant, of 414 s in all.
+# 42 s for the two graph-replay cases and 31 s for compiling every kernel variant, of 414 s in all; the every-feature
+# workloads on the interpreted Triton kernels take about 10 s each.
 SLOW = {"test_warm_up.py::test_serving_compiles_nothing_the_warm_up_did_not", "test_smollm2.py",
-        "test_kernel_compile.py", "test_decode_graphs.py::test_graph_replays_give_the_eager_tokens"}
+        "test_kernel_compile.py", "test_decode_graphs.py::test_graph_replays_give_the_eager_tokens",
+        "test_every_feature.py::test_every_feature_together_on_the_triton_kernels"}
 
 # The longest scopes (files; tests/test_lesson_verdicts.py's classes come with their file), longest first, as
 # measured on 2 cores (BENCHMARKS.md, "The whole test suite"). pytest-xdist hands whole scopes to its workers in

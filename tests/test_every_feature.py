@@ -8,7 +8,8 @@ must equal transformers' ``generate``; seeded samples must equal the same reques
 a pool with room, or part from it at one draw that run won by a near tie (``NEAR_TIE``) against the
 token taken here, and no earlier: a prompt prefilled in other chunks or beside other requests sums
 its attention in another order, and float32 rounding (logits 1e-5 apart) can turn such a tie.
-``KVLIB_FUZZ_EXAMPLES`` sets how many workloads run (CI runs a few dozen).
+``KVLIB_FUZZ_EXAMPLES`` sets how many workloads run (CI runs a few dozen); ``KVLIB_FUZZ_TRITON_EXAMPLES`` how
+many of them the Triton backend serves too (its kernels interpreted on a CPU, so CI runs a handful).
 """
 import os
 import random
@@ -24,9 +25,11 @@ from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.core.block_table import blocks_for
 from kvlib.core.invariants import InvariantError, check_invariants
 from kvlib.core.preemption import LatestArrivalPolicy, PreemptionCostModel
+from kvlib.kernels import triton_available
 from kvlib.runner import sampler
 
 EXAMPLES = int(os.environ.get("KVLIB_FUZZ_EXAMPLES", "30"))
+TRITON_EXAMPLES = int(os.environ.get("KVLIB_FUZZ_TRITON_EXAMPLES", "3"))
 NEAR_TIE = 1e-4  # the best token of a draw beat the runner-up by less than this share of its race value
 VOCAB = 96
 _greedy_references: dict = {}
@@ -38,7 +41,7 @@ def folder(checkpoint):
 
 
 @st.composite
-def workloads(draw):
+def workloads(draw, attention_backend: str = "torch"):
     rng = random.Random(draw(st.integers(0, 2**32)))
     block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 32]))
     prefixes = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 24))] for _ in range(2)]
@@ -63,7 +66,8 @@ def workloads(draw):
         partial_preemption=draw(st.booleans()), enable_prefix_caching=prefix_caching,
         host_prefix_cache=prefix_caching and num_cpu_blocks > 0 and draw(st.booleans()),
         max_num_seqs=draw(st.integers(max(sp.n for sp in params), 8)),
-        max_num_batched_tokens=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64])), watermark=watermark)
+        max_num_batched_tokens=draw(st.sampled_from([1, 2, 3, 5, 8, 16, 64])), watermark=watermark,
+        attention_backend=attention_backend)
     # In auto mode a cost model where either option can win, so both run.
     cost = PreemptionCostModel(host_link_bytes_per_s=10 ** draw(st.integers(2, 6)), prefill_tokens_per_s=100.0)
     return prompts, params, config, cost
@@ -209,4 +213,18 @@ def test_a_sample_may_part_only_at_a_near_tie_against_the_token_it_took():
 def test_every_feature_together(folder, workload):
     prompts, params, config, cost = workload
     llm = LLM(folder, config, preemption_policy=LatestArrivalPolicy(cost), verbose=False)
+    assert_served_as_expected(serve(llm, prompts, params), expected_tokens(folder, prompts, params, config.block_size))
+
+
+@pytest.mark.skipif(not triton_available(), reason="Triton is not installed")
+@settings(max_examples=TRITON_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                              HealthCheck.too_slow])
+@given(workload=workloads(attention_backend="triton"))
+def test_every_feature_together_on_the_triton_kernels(folder, workload):
+    """The same workloads served by the Triton backend: its decode, prefill, K/V store and block-copy kernels
+    under preemption, prefix caching with the host tier, forks and chunked prefill, against the same references
+    (seeded samples against the torch backend's run alone)."""
+    prompts, params, config, cost = workload
+    llm = LLM(folder, config, preemption_policy=LatestArrivalPolicy(cost), verbose=False)
+    assert llm.engine.runner.backend.name == "triton"
     assert_served_as_expected(serve(llm, prompts, params), expected_tokens(folder, prompts, params, config.block_size))
