@@ -172,6 +172,17 @@ def test_swap_in_needs_room_for_the_blocks_and_the_next_position():
     assert filler.block_table.blocks == [2]
 
 
+def test_a_partly_swapped_sequence_needs_room_only_for_the_blocks_it_gave_up():
+    bm = manager(gpu=5, cpu=4)
+    seq = running(bm, 12)  # three blocks
+    bm.swap_out(seq, 1)  # its tail goes to the host; two stay on the device
+    bm.end_step()
+    running(bm, 8, "filler")  # two blocks: one left free
+    assert len(seq.block_table) == 2 and len(seq.host_blocks) == 1 and bm.device_pool.num_free == 1
+    assert bm.can_swap_in(seq, 12, use_watermark=False)  # one block comes back into the one free
+    assert not bm.can_swap_in(seq, 13, use_watermark=False)  # the next position needs a fourth
+
+
 def test_swapping_out_two_samples_that_share_moves_the_shared_block_once():
     bm = manager()
     parent = running(bm, 8)

@@ -182,6 +182,26 @@ def test_a_partial_swap_needs_host_room_for_the_tail_only():
     assert e.metrics.num_swap_fallbacks == 0 and e.metrics.num_swapped_out_blocks == 1
 
 
+def test_a_victim_taken_from_the_middle_of_the_running_list_leaves_the_rest_scheduled():
+    """A policy that gives up the oldest sequence not yet scheduled: c is preempted for b, and d, after c in the
+    running list, still gets its token in the same step."""
+    from kvlib.core.preemption import LatestArrivalPolicy
+
+    class OldestOther(LatestArrivalPolicy):
+        def select_victim(self, candidates, shortfall):
+            return next((c for c in candidates if not c.is_requester), candidates[-1])
+
+    e = ModelFreeEngine(EngineConfig(block_size=BS, num_gpu_blocks=9, watermark=0.0, preemption_mode="recompute"),
+                        preemption_policy=OldestOther())
+    for name, arrival in (("a", 0), ("b", 1), ("c", 2), ("d", 3)):
+        e.add(name, Request(list(range(8)), 4, arrival=arrival))
+    e.step()  # four prompts of two blocks each: one block left
+    e.step()  # a takes the last block; c gives up its two, one for b and one for d
+    assert [seq.request_id for seq, *_ in e.last_plan.scheduled] == ["a", "b", "d"]
+    assert states(e) == {"a": ("running", 3, 0, 9, 0), "b": ("running", 3, 0, 9, 0), "c": ("waiting", 0, 0, 0, 1),
+                         "d": ("running", 3, 0, 9, 0)}
+
+
 def test_forked_samples_hold_exactly_their_own_places_in_max_num_seqs():
     e = engine(num_gpu_blocks=32, max_num_seqs=4, max_num_batched_tokens=6)
     e.add("p", Request(list(range(6)), 4, n=3, arrival=0))
