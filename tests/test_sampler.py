@@ -3,7 +3,7 @@ import torch
 
 from kvlib.config import SamplingParams
 from kvlib.core.sequence import Sequence
-from kvlib.runner.sampler import Sampler, draw, top_p_filter
+from kvlib.runner.sampler import Sampler, draw, tempered, top_p_filter
 
 
 def seq(seed=0, **params) -> Sequence:
@@ -51,3 +51,45 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it():
     cut = top_p_filter(probs, torch.tensor([0.7, 1.0]))
     assert cut[0].tolist() == [0.0, 0.5, 0.25, 0.0]  # 0.5 alone falls short of 0.7; 0.5 + 0.25 reaches it
     assert torch.equal(cut[1], probs[1])  # top_p = 1 leaves the row exactly as it was
+
+
+def test_top_p_of_one_keeps_a_tail_that_starts_where_the_head_sums_to_one():
+    """float32 sums the two heads of this row to exactly 1.0 before its tail: ``top_p = 1`` must still keep the
+    tail, so a limit of 1.0 (instead of none) would change the row."""
+    probs = torch.tensor([[0.5, 0.5, 1e-9, 1e-9]])
+    assert torch.equal(top_p_filter(probs, torch.tensor([1.0])), probs)
+
+
+def test_a_cut_row_beside_greedy_rows_draws_only_from_its_nucleus():
+    """Whether any row needs the top-p cut is decided from the drawn rows; greedy rows beside them change nothing."""
+    logits = torch.linspace(1.0, 0.0, 10).repeat(2, 1)  # nearly flat: without the cut every token turns up
+    nucleus = top_p_filter(logits[1:].softmax(-1), torch.tensor([0.3]))[0].nonzero().flatten().tolist()
+    sampler, drawn = Sampler(2, torch.device("cpu")), set()
+    for seed in range(60):
+        greedy_token, token = sampler.sample(logits, [seq(), seq(seed, temperature=1.0, top_p=0.3)])
+        assert greedy_token == 0
+        drawn.add(token)
+    assert drawn == set(nucleus) and len(nucleus) < 10
+
+
+def test_a_row_below_the_batchs_maximum_keeps_its_top_token_at_the_smallest_temperature():
+    """The overflowing row is shifted by its own maximum: the batch's maximum (another row's) would send all of
+    it to -inf and its softmax to NaN."""
+    logits = torch.tensor([[0.0, 50.0, 49.0], [0.0, 100.0, 0.0]])  # by its column's maximum, token 1 would lose
+    seqs = [seq(1, temperature=1e-37), seq(2, temperature=1.0)]
+    assert Sampler(2, torch.device("cpu")).sample(logits, seqs)[0] == 1
+
+
+def test_top_p_stops_at_the_token_that_reaches_it_exactly_and_always_keeps_the_top_token():
+    probs = torch.tensor([[0.25, 0.5, 0.25], [0.25, 0.5, 0.25]])
+    cut = top_p_filter(probs, torch.tensor([0.5, 0.0]))
+    assert cut[0].tolist() == [0.0, 0.5, 0.0]  # 0.5 reaches 0.5: the next token is not needed
+    assert cut[1].tolist() == [0.0, 0.5, 0.0]  # a top_p of 0 still leaves one token to draw
+
+
+def test_only_a_row_that_overflows_is_shifted():
+    """A row whose quotient stays finite is divided as it is, bit for bit, whatever its neighbours do."""
+    logits = torch.tensor([[0.0, 50.0, 49.0], [0.3, 1.7, -2.1]])
+    temperature = torch.tensor([1e-37, 0.7])
+    assert torch.equal(tempered(logits, temperature)[1], logits[1] / temperature[1])
+
