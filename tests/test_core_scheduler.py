@@ -428,3 +428,15 @@ def test_resuming_waiting_sequences_returns_the_budget_left_whichever_limit_stop
     out = SchedulerOutput()
     assert scheduler.schedule_waiting(out, 100) == left
     assert len(out.scheduled) == min(2, max_num_seqs)
+
+
+def test_each_sampled_token_is_stamped_with_its_steps_time():
+    """TTFT and the longest gap between tokens come from the times postprocess is given."""
+    from kvlib.core.plan import SchedulerOutput
+
+    scheduler = one_step_scheduler(None)
+    seq = Sequence("r", [1, 3, 4], SamplingParams(max_tokens=5, ignore_eos=True), 2, 0.0)
+    scheduler.add(seq)
+    for now in (1.0, 1.5, 3.5):
+        scheduler.postprocess(scheduler.schedule(SchedulerOutput()), [5], now=now)
+    assert (seq.first_token_time, seq.last_token_time, seq.max_inter_token_latency) == (1.0, 3.5, 2.0)
