@@ -139,12 +139,24 @@ def test_the_runtime_is_looked_up_among_the_libraries_this_process_loaded():
     assert _loaded("libkvlib-nothing.so") is None
 
 
+
+def test_the_runtime_is_found_by_its_file_name_not_a_folder_named_like_it(monkeypatch):
+    """pip's CUDA wheels keep the runtime in folders of their own: only the file's name counts."""
+    import io
+
+    from kvlib.runner import runtime_copies
+    maps = ("7f00-7f10 r-xp 00000000 08:01 11 /opt/libcudart.so.12-extras/lib/libnvrtc.so.12\n"
+            "7f10-7f20 r-xp 00000000 08:01 12 /venv/nvidia/cuda_runtime/lib/libcudart.so.12\n")
+    monkeypatch.setattr(runtime_copies, "open", lambda path: io.StringIO(maps), raising=False)
+    assert runtime_copies._loaded("libcudart.so") == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+
 def test_direct_transfer_moves_the_right_bytes():
     """``direct=True``: one kernel per move (the Triton kernel, interpreted on CPU tensors) instead of the staging
     buffer; the same bytes land, scattered host blocks and all."""
     pytest.importorskip("triton")
     device, host = filled_pool(40, 0), filled_pool(30, 1)
     transfer = StagedTransfer(device.data, HostStreams(), staging_blocks=2, direct=True)
+    assert [half.shape[0] for half in transfer.halves] == [0, 0]  # no device memory for a buffer it never uses
     out_device, out_host = [3, 17, 5, 30, 8, 2, 39], [10, 11, 12, 4, 25, 13, 0]
     expected_host = host.data.clone()
     expected_host[out_host] = device.data[out_device]
