@@ -34,6 +34,10 @@ DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRE
 KV_HEADS, HEAD_DIM, NUM_LAYERS, LAYER, SCALE = 2, 32, 2, 1, 32 ** -0.5  # layer 1: the views start inside the pool
 F32, F16 = torch.float32, torch.float16
 CLOSE = {F32: close(1e-4, 1e-4), F16: close(3e-3, 3e-3)}
+# In the float16 engine a call's inputs come from earlier layers and steps, whose outputs already differ by rounding
+# between your run and kvlib's: the solution's kernel drifted up to 1.7x CLOSE[F16] over 260 seeds (and failed it at
+# 8), so the engine allows 1e-2. A kernel that overflows fails on inf, one that returns float32 on its dtype, whatever the tolerance.
+ENGINE_F16 = close(1e-2, 1e-2)
 TOKENS = "tokens each prompt generated"
 
 
@@ -152,7 +156,7 @@ ENGINE_CHECKS = [
      "or exp overflows", CLOSE[F32], ((95, 105), (5, 12)), 16, "float32", 12.0, "every score here is multiplied by "
      "12, so the largest pass 100, and exp of a score above about 88 is inf in float32: did you subtract the maximum?"),
     ("float16_engine", 2, "the engine in float16: return the query's dtype, accumulate in float32, subtract the "
-     "running maximum and rescale, since float16 overflows and rounds sooner", CLOSE[F16], ((150, 165), (8, 14)), 8,
+     "running maximum and rescale, since float16 overflows and rounds sooner", ENGINE_F16, ((150, 165), (8, 14)), 8,
      "float16", 1.0, "in float16 exp overflows above about 11, and scores here reach about 17: subtract the running "
      "maximum before exponentiating, and accumulate in float32"),
 ]
