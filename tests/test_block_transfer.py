@@ -139,7 +139,6 @@ def test_the_runtime_is_looked_up_among_the_libraries_this_process_loaded():
     assert _loaded("libkvlib-nothing.so") is None
 
 
-
 def test_the_runtime_is_found_by_its_file_name_not_a_folder_named_like_it(monkeypatch):
     """pip's CUDA wheels keep the runtime in folders of their own: only the file's name counts."""
     import io
@@ -149,6 +148,7 @@ def test_the_runtime_is_found_by_its_file_name_not_a_folder_named_like_it(monkey
             "7f10-7f20 r-xp 00000000 08:01 12 /venv/nvidia/cuda_runtime/lib/libcudart.so.12\n")
     monkeypatch.setattr(runtime_copies, "open", lambda path: io.StringIO(maps), raising=False)
     assert runtime_copies._loaded("libcudart.so") == "/venv/nvidia/cuda_runtime/lib/libcudart.so.12"
+
 
 def test_direct_transfer_moves_the_right_bytes():
     """``direct=True``: one kernel per move (the Triton kernel, interpreted on CPU tensors) instead of the staging

@@ -150,12 +150,11 @@ def test_the_untouched_lab_gets_zero_and_says_not_implemented():
         assert report.task(task).failed_summary() == "not implemented: paged_decode", report.table()
 
 
-def test_a_near_tie_that_parts_the_tokens_in_float16_costs_the_solution_nothing():
-    """Seed 33: the solution's kernel and kvlib's decode agree within float16's tolerance at every call, but one
-    greedy choice is a near tie that rounds the other way; the calls after it decode other tokens."""
+def float16_engine_runs(seed: int):
+    """The float16 engine check on ``seed``: the check, what the solution's kernel saw, and what kvlib's decode saw."""
     import nbformat
 
-    from kvlib.course.grading.checks import observe, verdict
+    from kvlib.course.grading.checks import observe
     from kvlib.course.grading.extract import extract, load
     from kvlib.course.grading.hidden import hiding
     from kvlib.course.labs import remove_hidden_tests
@@ -163,33 +162,30 @@ def test_a_near_tie_that_parts_the_tokens_in_float16_costs_the_solution_nothing(
     solution = load(extract(cells, ("paged_decode",)).statements).paged_decode
     check = lab03.engine.named("float16_engine")
     with hiding(lab03.engine.hidden):
-        yours = observe(check, solution, 33)
-    reference = observe(check, lab03._reference_decode, 33)
+        yours = observe(check, solution, seed)
+    return check, yours, observe(check, lab03._reference_decode, seed)
+
+
+def test_a_near_tie_that_parts_the_tokens_in_float16_costs_the_solution_nothing():
+    """Seed 33: the solution's kernel and kvlib's decode agree within float16's tolerance at every call, but one
+    greedy choice is a near tie that rounds the other way; the calls after it decode other tokens."""
+    from kvlib.course.grading.checks import verdict
+    check, yours, reference = float16_engine_runs(33)
     assert yours.observation[lab03.TOKENS] != reference.observation[lab03.TOKENS]  # the near tie is real
     assert verdict(check, yours, reference).status == PASS
-
 
 
 def test_the_float16_engine_allows_the_drift_of_a_right_kernel_through_layers_and_steps():
     """Seed 89: the solution's kernel and kvlib's decode the same tokens, but by decode call 8 rounding in earlier
     layers has moved their float16 outputs up to 1.7x the kernel checks' float16 tolerance apart (8 of 260 seeds
     failed the solution that way, 3% of its grades)."""
-    import nbformat
-
-    from kvlib.course.grading.checks import observe, verdict
-    from kvlib.course.grading.extract import extract, load
-    from kvlib.course.grading.hidden import hiding
-    from kvlib.course.labs import remove_hidden_tests
-    cells = [remove_hidden_tests(c.source) for c in nbformat.read(SOLUTION, as_version=4).cells if c.cell_type == "code"]
-    solution = load(extract(cells, ("paged_decode",)).statements).paged_decode
-    check = lab03.engine.named("float16_engine")
-    with hiding(lab03.engine.hidden):
-        yours = observe(check, solution, 89)
-    reference = observe(check, lab03._reference_decode, 89)
+    from kvlib.course.grading.checks import verdict
+    check, yours, reference = float16_engine_runs(89)
     assert yours.observation[lab03.TOKENS] == reference.observation[lab03.TOKENS]  # no near tie: every call compared
     kernels_tolerance = lab03.until_tokens_part(lab03.CLOSE[torch.float16])
     assert "differ from kvlib's" in kernels_tolerance(yours.observation, reference.observation)
     assert verdict(check, yours, reference).status == PASS
+
 
 def test_until_the_tokens_part_every_decode_call_is_compared():
     within = lab03.until_tokens_part(lab03.CLOSE[torch.float32])

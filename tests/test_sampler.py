@@ -92,4 +92,3 @@ def test_only_a_row_that_overflows_is_shifted():
     logits = torch.tensor([[0.0, 50.0, 49.0], [0.3, 1.7, -2.1]])
     temperature = torch.tensor([1e-37, 0.7])
     assert torch.equal(tempered(logits, temperature)[1], logits[1] / temperature[1])
-

@@ -36,7 +36,8 @@ F32, F16 = torch.float32, torch.float16
 CLOSE = {F32: close(1e-4, 1e-4), F16: close(3e-3, 3e-3)}
 # In the float16 engine a call's inputs come from earlier layers and steps, whose outputs already differ by rounding
 # between your run and kvlib's: the solution's kernel drifted up to 1.7x CLOSE[F16] over 260 seeds (and failed it at
-# 8), so the engine allows 1e-2. A kernel that overflows fails on inf, one that returns float32 on its dtype, whatever the tolerance.
+# 8), so the engine allows 1e-2. A kernel that overflows fails on inf, one that returns float32 on its dtype,
+# whatever the tolerance.
 ENGINE_F16 = close(1e-2, 1e-2)
 TOKENS = "tokens each prompt generated"
 
