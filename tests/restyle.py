@@ -10,17 +10,14 @@ from __future__ import annotations
 import ast
 import copy
 
-import nbformat
+from notebook_cells import graded_cells
 
 from kvlib.course.grading.extract import extract
-from kvlib.course.labs import remove_hidden_tests
 
 
 def graded_source(solution, needs: tuple[str, ...]) -> str:
     """The statements the grader keeps from ``solution``, as one module's source."""
-    nb = nbformat.read(solution, as_version=4)
-    cells = [remove_hidden_tests(c.source) for c in nb.cells if c.cell_type == "code"]
-    return "\n\n\n".join(s.source for s in extract(cells, needs).statements)
+    return "\n\n\n".join(s.source for s in extract(graded_cells(solution), needs).statements)
 
 
 def one_cell(source: str, needs: tuple[str, ...]) -> str:

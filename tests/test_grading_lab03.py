@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from notebook_cells import graded_cells
 
 from kvlib import kernels  # importing kvlib first switches on the Triton interpreter where there is no GPU
 from kvlib.attention.torch_backend import gather_sequence_kv
@@ -152,14 +153,10 @@ def test_the_untouched_lab_gets_zero_and_says_not_implemented():
 
 def float16_engine_runs(seed: int):
     """The float16 engine check on ``seed``: the check, what the solution's kernel saw, and what kvlib's decode saw."""
-    import nbformat
-
     from kvlib.course.grading.checks import observe
     from kvlib.course.grading.extract import extract, load
     from kvlib.course.grading.hidden import hiding
-    from kvlib.course.labs import remove_hidden_tests
-    cells = [remove_hidden_tests(c.source) for c in nbformat.read(SOLUTION, as_version=4).cells if c.cell_type == "code"]
-    solution = load(extract(cells, ("paged_decode",)).statements).paged_decode
+    solution = load(extract(graded_cells(SOLUTION), ("paged_decode",)).statements).paged_decode
     check = lab03.engine.named("float16_engine")
     with hiding(lab03.engine.hidden):
         yours = observe(check, solution, seed)

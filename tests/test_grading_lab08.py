@@ -15,6 +15,7 @@ from pathlib import Path
 import nbformat
 import numpy as np
 import pytest
+from notebook_cells import graded_cells
 
 from kvlib.core.cost_model import PreemptionCostModel, attention_pairs
 from kvlib.core.preemption import LatestArrivalPolicy
@@ -23,7 +24,6 @@ from kvlib.course.grading.checks import observe
 from kvlib.course.grading.hidden import hiding
 from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED, PASS
 from kvlib.course.grading.runner import InProcess, grade_cells
-from kvlib.course.labs import remove_hidden_tests
 from kvlib.runner import cost_probe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -444,20 +444,12 @@ def test_every_check_observes_inputs_drawn_from_the_seed():
 
 
 # ---- whole notebooks, as `kvlib grade` grades them ---------------------------------------------
-def _cells(path: Path = SOLUTION, edits=()) -> list[str]:
-    cells = [remove_hidden_tests(c.source) for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
-    for old, new in edits:
-        [i] = [i for i, source in enumerate(cells) if old in source]
-        cells[i] = cells[i].replace(old, new)
-    return cells
-
-
 def _graded(cells) -> dict:
     return {t.task: t for t in grade_cells("lab08", cells, runner=InProcess, seed=11).tasks}
 
 
 def test_the_solution_gets_full_marks_and_no_flag():
-    graded = grade_cells("lab08", _cells(), runner=InProcess, seed=11)
+    graded = grade_cells("lab08", graded_cells(SOLUTION), runner=InProcess, seed=11)
     assert all(t.full_marks for t in graded.tasks), graded.tasks
     assert [(t.task, t.points) for t in graded.tasks] == [
         ("measure", 3), ("fit_swap", 3), ("fit_recompute", 5), ("choose_mode", 6), ("engine", 5)]
@@ -465,7 +457,7 @@ def test_the_solution_gets_full_marks_and_no_flag():
 
 
 def test_the_untouched_lab_gets_zero_and_says_not_implemented():
-    graded = _graded(_cells(LAB))
+    graded = _graded(graded_cells(LAB))
     assert sum(t.points for t in graded.values()) == 0
     assert {c.status for t in graded.values() for c in t.checks} == {NOT_IMPLEMENTED}
 
@@ -484,7 +476,7 @@ KVLIBS_CHOICE = ('        return "swap" if swap < recompute else "recompute"\n',
 @pytest.mark.parametrize("edit, tasks", [(KVLIBS_TIMING, {"measure"}), (KVLIBS_FIT, {"fit_swap"}),
                                          (KVLIBS_CHOICE, {"choose_mode", "engine"})], ids=["timing", "fit", "choice"])
 def test_a_task_handed_to_kvlibs_own_code_is_not_implemented_and_the_others_score(edit, tasks):
-    graded = _graded(_cells(edits=[edit]))
+    graded = _graded(graded_cells(SOLUTION, [edit]))
     assert {c.status for name in tasks for c in graded[name].checks} == {NOT_IMPLEMENTED}
     assert all(t.full_marks for name, t in graded.items() if name not in tasks)
 

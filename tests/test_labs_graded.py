@@ -11,27 +11,17 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-import nbformat
 import pytest
+from notebook_cells import graded_cells
 
 from kvlib.course.grading.results import NOT_IMPLEMENTED, PASS
 from kvlib.course.grading.runner import InProcess, grade_cells, lab_of
 from kvlib.course.grading.sandbox import Sandbox
-from kvlib.course.labs import remove_hidden_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("lab*.ipynb"))
 LABS_WITH_BUGS = [p for p in SOLUTIONS if importlib.util.find_spec(f"lab_bugs.{lab_of(p)}")]
 SEED = 2026  # one seed, so a run is repeatable; each lab's own tests draw several
-
-
-def cells_of(path: Path, edits=()) -> list[str]:
-    cells = [remove_hidden_tests(c.source) for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
-    for old, new in edits:
-        where = [i for i, source in enumerate(cells) if old in source]
-        assert len(where) == 1 and cells[where[0]].count(old) == 1, f"{old!r} must occur once in {path.name}"
-        cells[where[0]] = cells[where[0]].replace(old, new)
-    return cells
 
 
 def failed(graded) -> set[str]:
@@ -40,13 +30,13 @@ def failed(graded) -> set[str]:
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
 def test_the_solution_gets_full_marks(solution):
-    results = grade_cells(lab_of(solution), cells_of(solution), runner=InProcess, seed=SEED)
+    results = grade_cells(lab_of(solution), graded_cells(solution), runner=InProcess, seed=SEED)
     assert failed(results) == set(), [r for r in results.tasks if not r.full_marks]
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)
 def test_the_untouched_lab_gets_zero_and_says_not_implemented(solution):
-    results = grade_cells(lab_of(solution), cells_of(ROOT / "labs" / solution.name), runner=InProcess, seed=SEED)
+    results = grade_cells(lab_of(solution), graded_cells(ROOT / "labs" / solution.name), runner=InProcess, seed=SEED)
     assert sum(t.points for t in results.tasks) == 0
     assert {c.status for t in results.tasks for c in t.checks} == {NOT_IMPLEMENTED}
 
@@ -60,7 +50,7 @@ def _bugs():
 @pytest.mark.parametrize("solution, bug", _bugs())
 def test_a_realistic_bug_loses_the_points_of_what_it_breaks(solution, bug):
     runner = Sandbox if bug.sandboxed else InProcess
-    results = grade_cells(lab_of(solution), cells_of(solution, bug.edits), runner=runner, seed=SEED)
+    results = grade_cells(lab_of(solution), graded_cells(solution, bug.edits), runner=runner, seed=SEED)
     lost = failed(results)
     assert bug.fails <= lost, f"expected {sorted(bug.fails)} to fail, failed: {sorted(lost)}"
     assert all(c.message for t in results.tasks for c in t.checks if c.status != PASS)
