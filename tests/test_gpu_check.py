@@ -87,7 +87,7 @@ def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path):
     results, log = tmp_path / "r.jsonl", tmp_path / "log"
     part = gpu_check.Part("sleepy", 30, "sleeps")
     start = time.monotonic()
-    record = gpu_check.run_part(part, [sys.executable, "-c", SLEEPER], results, log, seconds_left=2, env=os.environ)
+    record = gpu_check.run_part(part, [sys.executable, "-c", SLEEPER], results, log, seconds=2, env=os.environ)
     assert record["status"] == "timed out" and record["limit"] == 2  # the time left, not the part's own limit
     assert time.monotonic() - start < 2 + gpu_check.KILL_GRACE + 5
     assert "started" in log.read_text() and gpu_check.read_records(results) == [record]
@@ -95,11 +95,11 @@ def test_a_part_past_its_limit_is_killed_with_its_children(tmp_path):
     assert leftover == []  # the part's own child went with it
 
 
-def fake_run(monkeypatch, tmp_path, commands: dict) -> tuple[int, list[dict]]:
+def fake_run(monkeypatch, tmp_path, commands: dict, limit: int = 5) -> tuple[int, list[dict]]:
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(gpu_check, "missing_essentials",
                         lambda: ([], {"device": "Fake GPU", "free_gib": 100.0, "torch": "x", "triton": "y"}))
-    monkeypatch.setattr(gpu_check, "PARTS", [gpu_check.Part(name, 5, name) for name in commands])
+    monkeypatch.setattr(gpu_check, "PARTS", [gpu_check.Part(name, limit, name) for name in commands])
     monkeypatch.setattr(gpu_check, "part_command", lambda part, results: [sys.executable, "-c",
                                                                           commands[part.name].format(results=str(results))])
     runs = tmp_path / "runs.json"
@@ -129,6 +129,82 @@ def test_a_failed_or_cut_part_keeps_its_figures_and_the_next_one_runs(monkeypatc
     assert [(t["value"], t["met"]) for t in summary["targets"] if t["target"].startswith("swap")] == [(91.0, True),
                                                                                                      (42.0, False)]
     assert json.loads((tmp_path / "measured_costs.json").read_text())["gpu_checks"][-1]["figures"][0]["value"] == 91.0
+
+
+def test_a_part_may_use_the_time_the_parts_before_it_left():
+    first, second = gpu_check.Part("first", 20, "a"), gpu_check.Part("second", 10, "b")
+    grace = gpu_check.KILL_GRACE
+    assert gpu_check.allowance(first, [], 0.0, 500) == 20
+    assert gpu_check.allowance(second, [first], 5.0, 500) == 10 + (20 + grace - 5)  # the first left 18 s of its 23
+    assert gpu_check.allowance(second, [first], 20.0 + grace + 1, 500) == 10  # one that overran takes nothing away
+    assert gpu_check.allowance(second, [first], 5.0, 12) == 12  # never past the time left
+
+
+def test_a_part_past_its_own_limit_runs_on_in_the_time_an_earlier_part_left(monkeypatch, tmp_path):
+    commands = {"quick": "pass", "slow": "import time; time.sleep(2.5)"}
+    failed, records = fake_run(monkeypatch, tmp_path, commands, limit=1)
+    assert failed == 0  # with its own 1 s only, the slow part would have been killed
+    assert [(r["part"], r["status"]) for r in records if r["kind"] == "part"] == [("quick", "passed"),
+                                                                                 ("slow", "passed")]
+
+
+TESTS = """
+import time
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("no device")
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2
+
+@pytest.mark.skip(reason="not here")
+def test_skipped():
+    pass
+
+def test_setup_fails(broken):
+    pass
+
+def test_sleeps():
+    time.sleep({sleep})
+"""
+
+
+def test_kernel_test_outcomes_are_written_as_pytest_reports_them(tmp_path):
+    (tmp_path / "test_fake.py").write_text(TESTS.replace("{sleep}", "0"))
+    outcomes = gpu_parts.TestOutcomes(Results(tmp_path / "r.jsonl", "kernel-tests"))
+    pytest.main([str(tmp_path / "test_fake.py"), "-q", "-p", "no:cacheprovider", "-o", "addopts="],
+                plugins=[outcomes])
+    records = gpu_check.read_records(tmp_path / "r.jsonl")
+    assert [(r["test"].split("::")[1], r["outcome"]) for r in records if r["kind"] == "test"] == [
+        ("test_passes", "passed"), ("test_fails", "failed"), ("test_skipped", "skipped"),
+        ("test_setup_fails", "error"), ("test_sleeps", "passed")]
+    assert outcomes.counts == {"passed": 2, "failed": 1, "skipped": 1, "error": 1}
+    found = {t["target"].split("::")[-1]: t["met"] for t in targets(records)}
+    assert found["test_fails"] is False and found["test_setup_fails"] is False  # a failure is a target not met
+    assert "no device" in next(r["error"] for r in records if r.get("figure", "").endswith("test_setup_fails"))
+
+
+def test_kernel_tests_killed_midway_keep_the_outcomes_so_far(tmp_path):
+    started = tmp_path / "sleeping"
+    (tmp_path / "test_fake.py").write_text(TESTS.replace("time.sleep({sleep})", f"open({str(started)!r}, 'w'); "
+                                                                                "time.sleep(60)"))
+    results = tmp_path / "r.jsonl"
+    run_tests = ("import pytest; from kvlib.cli.gpu_parts import Results, TestOutcomes; "
+                 f"pytest.main([{str(tmp_path / 'test_fake.py')!r}, '-q', '-p', 'no:cacheprovider', '-o', 'addopts='], "
+                 f"plugins=[TestOutcomes(Results({str(results)!r}, 'kernel-tests'))])")
+    part = subprocess.Popen([sys.executable, "-c", run_tests], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not started.exists() and part.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    part.kill()  # as a part's limit would, while the last test runs
+    part.wait()
+    outcomes = [r["outcome"] for r in gpu_check.read_records(results) if r["kind"] == "test"]
+    assert outcomes == ["passed", "failed", "skipped", "error"]  # all but the test the kill cut
 
 
 def test_targets_say_met_not_met_or_not_measured(tmp_path):

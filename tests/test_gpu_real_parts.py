@@ -119,3 +119,22 @@ def test_the_engine_part_writes_each_pass_as_it_ends_then_the_ratio(tmp_path, mo
     kvlib = next(r["value"] for r in passes if r["engine"].startswith("kvlib"))
     strongest = next(r["value"] for r in passes if r["engine"] == ratio["strongest"] and r["stage"] == "round 1")
     assert ratio["value"] == pytest.approx(kvlib / strongest)
+
+
+def test_the_preemption_part_writes_each_modes_row_as_its_run_ends(tmp_path, monkeypatch):
+    """A mode that fails (here auto's start-up probe) costs only its own row: those before it are written."""
+    torch.set_num_threads(1)
+    monkeypatch.setenv("KVLIB_SHAPES_DIR", str(tmp_path))
+    for name, value in (("REAL_SHAPES", ("tiny",)), ("PREEMPTION_REQUESTS", 6),
+                        ("PREEMPTION_MODES", [("recompute", False), ("auto", False)])):
+        monkeypatch.setattr(gpu_real_parts, name, value)
+
+    def contradicting(*args, **kwargs):
+        raise RuntimeError("the cost probe's timings contradicted each other three times")
+    monkeypatch.setattr("kvlib.runner.model_runner.measure_cost_model", contradicting)
+    out = Results(tmp_path / "r.jsonl", "preemption")
+    with pytest.raises(RuntimeError, match="contradicted"):
+        gpu_real_parts.part_preemption(out)
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r["value"]) for r in rows] == [("none (pool fits all)", 1.0), ("recompute", rows[1]["value"])]
+    assert rows[1]["preemptions"] > 0  # the tight pool did preempt

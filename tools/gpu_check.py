@@ -9,7 +9,7 @@ installs nothing and assumes only the repository and a CUDA build of torch with 
   that check is recorded as not measured;
 - the parts run in order of value (``PARTS``; ``--parts NAME,...`` runs those alone, in that order,
   and appends to the results file instead of starting it anew), each in its own process group under its own
-  timeout, and never past ``TOTAL_SECONDS`` from the start, compilation included (Triton's cache
+  timeout, lengthened by what the parts before it left unused of theirs (``allowance``), and never past ``TOTAL_SECONDS`` from the start, compilation included (Triton's cache
   is ``.triton-cache/`` in the checkout, ignored by git, so a rerun on a warm machine skips it);
   a part that fails or times out is recorded and the next one runs;
 - every record is one JSON line appended to ``gpu_check.jsonl`` as it happens (so a timeout keeps
@@ -137,9 +137,17 @@ def commit(root: Path = ROOT, env: dict | None = None) -> str:
     return done.stdout.strip() or "unknown"
 
 
-def run_part(part: Part, command: list[str], results: Path, log: Path, seconds_left: float, env: dict) -> dict:
-    """Run one part in its own process group under ``min(part.limit, seconds_left)``; its record."""
-    limit = max(1, int(min(part.limit, seconds_left)))
+def allowance(part: Part, earlier: list[Part], elapsed: float, seconds_left: float) -> float:
+    """Seconds ``part`` may run: its own limit, and the time the parts before it (``earlier``, which ran in
+    ``elapsed`` seconds) left unused of theirs, so the run never takes longer than its parts' limits allow;
+    never more than the time left."""
+    unused = sum(p.limit + KILL_GRACE for p in earlier) - elapsed
+    return min(seconds_left, part.limit + max(0.0, unused))
+
+
+def run_part(part: Part, command: list[str], results: Path, log: Path, seconds: float, env: dict) -> dict:
+    """Run one part in its own process group for at most ``seconds``; its record."""
+    limit = max(1, int(seconds))
     start = time.monotonic()
     with open(log, "a") as out:
         out.write(f"\n==== {part.name} (limit {limit} s): {part.what}\n")
@@ -222,15 +230,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"kvlib GPU check on {found['device']} ({found['free_gib']} GiB free), torch {found['torch']}, "
           f"Triton {found['triton']}; results in {results}")
-    env, failed = part_env(), 0
-    for part in parts:
+    env, failed, parts_start = part_env(), 0, time.monotonic()
+    for i, part in enumerate(parts):
         left = TOTAL_SECONDS - (time.monotonic() - start) - KILL_GRACE
         if left < 5:
             append(results, {"kind": "part", "part": part.name, "status": "skipped", "exit": None, "limit": 0,
                              "seconds": 0, "tail": ["no time left"]})
             failed += 1
             continue
-        record = run_part(part, part_command(part, results), results, log, left, env)
+        seconds = allowance(part, parts[:i], time.monotonic() - parts_start, left)
+        record = run_part(part, part_command(part, results), results, log, seconds, env)
         print(f"  {part.name}: {record['status']} in {record['seconds']} s")
         failed += record["status"] != "passed"
     records = read_records(results)

@@ -9,8 +9,6 @@ at real model shapes are in :mod:`kvlib.cli.gpu_real_parts`, the built-in model'
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,17 +108,37 @@ def part_swap(out: Results) -> bool:
     return ok and pool.pinned_bytes == asked
 
 
+class TestOutcomes:
+    """A pytest plugin that writes each test's outcome as pytest reports it, so a part its limit cuts keeps what
+    ran: a ``test`` record per test, and a failure at once as a false figure named after the test."""
+
+    def __init__(self, out: Results):
+        self.out, self.counts, self.failures = out, {}, []
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.when != "call" and report.passed:
+            return  # setup and teardown are reported only when they fail or skip the test
+        outcome = "error" if report.when != "call" and report.failed else report.outcome
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        self.out.write({"kind": "test", "part": self.out.part, "test": report.nodeid, "outcome": outcome,
+                        "seconds": round(report.duration, 2)})
+        if outcome in ("failed", "error"):
+            self.failures.append(report.nodeid)
+            self.out.add(f"kernel test {report.nodeid}", False, "passed", outcome=outcome,
+                         error=str(report.longrepr)[-1500:])
+
+
 def part_kernel_tests(out: Results) -> bool:
-    """The kernel and Triton-engine tests compiled for this GPU, every failure up to 10 reported."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "tests/test_kernels.py", "tests/test_engine_triton.py",
-                           "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--maxfail=10", "-rf"],
-                          capture_output=True, text=True)
-    print(done.stdout[-6000:], done.stderr[-2000:])
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|error|skipped)", done.stdout)}
-    failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    out.add("kernel tests", counts.get("failed", 0) + counts.get("error", 0) == 0 and counts.get("passed", 0) > 0,
-            "all passed", counts=counts, failures=failures[:10])
-    return done.returncode == 0
+    """The kernel and Triton-engine tests compiled for this GPU, run in this process so each outcome is written
+    as it comes (compiling every variant on a fresh machine can take past the part's limit)."""
+    import pytest
+    outcomes = TestOutcomes(out)
+    exit_code = pytest.main(["tests/test_kernels.py", "tests/test_engine_triton.py", "-q", "-p", "no:cacheprovider",
+                             "-o", "addopts=", "--maxfail=10", "-rf"], plugins=[outcomes])
+    failed = outcomes.counts.get("failed", 0) + outcomes.counts.get("error", 0)
+    out.add("kernel tests", failed == 0 and outcomes.counts.get("passed", 0) > 0, "all passed",
+            counts=outcomes.counts, failures=outcomes.failures[:10])
+    return exit_code == 0
 
 
 def part_engine(out: Results) -> bool:

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import random
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -84,8 +84,16 @@ def result_row(label: str, partial: Optional[bool], llm: LLM, seconds: float, id
 def run_preemption_bench(num_requests: int = 64, scale: int = 4, num_gpu_blocks: int = 48, num_cpu_blocks: int = 256,
                          block_size: int = 16, seed: int = 0, modes=MODES, model="default",
                          vocab: range = VOCAB, progress: bool = False) -> list[dict]:
-    """The unpressured reference row, then one row per (mode, partial) in ``modes``, all on ``model`` with prompt
-    tokens from ``vocab``; ``progress``: one bar over the tokens of every run."""
+    """The unpressured reference row, then one row per (mode, partial) in ``modes``: ``preemption_rows``'s rows."""
+    return list(preemption_rows(num_requests, scale, num_gpu_blocks, num_cpu_blocks, block_size, seed, modes, model,
+                                vocab, progress))
+
+
+def preemption_rows(num_requests: int, scale: int, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int,
+                    seed: int, modes, model, vocab: range, progress: bool = False) -> Iterator[dict]:
+    """Each row as soon as its run ends (a caller with a time limit keeps the rows before it): the unpressured
+    reference, then one per (mode, partial) in ``modes``, all on ``model`` with prompt tokens from ``vocab``;
+    ``progress``: one bar over the tokens of every run."""
     prompts, params = oversubscribed_workload(num_requests, scale, seed, vocab)
     roomy = EngineConfig(block_size=block_size, num_gpu_blocks=blocks_needed(prompts, params, block_size),
                          max_num_seqs=num_requests)
@@ -93,13 +101,12 @@ def run_preemption_bench(num_requests: int = 64, scale: int = 4, num_gpu_blocks:
     with TokenProgress(total, f"{1 + len(modes)} runs") if progress else contextlib.nullcontext() as bar:
         serve(roomy, prompts[:4], params[:4], model, bar)  # warm-up: first-call costs fall on no measured row
         llm, reference, seconds = serve(roomy, prompts, params, model, bar)
-        rows = [result_row("none (pool fits all)", None, llm, seconds, None)]
+        yield result_row("none (pool fits all)", None, llm, seconds, None)
         for mode, partial in modes:
             config = EngineConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                                   preemption_mode=mode, partial_preemption=partial, max_num_seqs=num_requests)
             llm, outputs, seconds = serve(config, prompts, params, model, bar)
-            rows.append(result_row(mode, partial, llm, seconds, outputs == reference))
-    return rows
+            yield result_row(mode, partial, llm, seconds, outputs == reference)
 
 
 def build_parser() -> argparse.ArgumentParser:
