@@ -593,3 +593,22 @@ def test_prefill_takes_the_tiles_measured_fastest_on_hopper_and_the_unspilled_on
     assert ampere == ada == kernel_config(torch.bfloat16)  # before Hopper the 128-row tile spills: the 64 x 64 stays
     assert (ampere.prefill_block_m, ampere.prefill_block_n, ampere.prefill_num_warps) == (64, 64, 8)
     assert kernel_config(torch.float32, (9, 0)) == kernel_config(torch.float32)  # fp32 tiles are not the 16-bit ones
+
+
+@pytest.mark.parametrize("triton_version, numpy_version, blocked", [
+    ("3.6.0", "2.4.6", True),  # Triton 3.6 (torch 2.11's) with today's NumPy: every decode launch failed deep in Triton
+    ("3.0.0", "2.4.0", True),
+    ("3.6.0", "2.3.5", False),
+    ("3.7.0", "2.4.6", False),  # Triton 3.7 squeezes the array first
+    ("3.9.0", "2.4.6", False),
+    ("3.6.0", "1.26.4", False),
+    ("3.10.0+git1234", "2.10.1", False),
+])
+def test_an_interpreter_that_cannot_run_beside_this_numpy_is_named_with_what_to_do(triton_version, numpy_version,
+                                                                                    blocked):
+    from kvlib.kernels.attention_tiles import interpreter_blocker
+    message = interpreter_blocker(triton_version, numpy_version)
+    assert (message is not None) == blocked
+    if blocked:
+        assert f"Triton {triton_version}" in message and f"NumPy {numpy_version}" in message
+        assert "pip install 'numpy<2.4'" in message and "attention_backend='torch'" in message

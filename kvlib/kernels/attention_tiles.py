@@ -8,8 +8,10 @@ hold and which positions those rows may see.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -112,3 +114,21 @@ def attend_tile(q, m, l, acc, k_ptrs, v_ptrs, kv_mask, visible, qk_scale, DOT_PR
 
 # How this copy of the kernels was built: under Triton's interpreter (CPU tensors) or compiled (GPU tensors).
 INTERPRETED = type(attend_tile).__name__ == "InterpretedFunction"
+
+
+def interpreter_blocker(triton_version: str, numpy_version: str) -> str | None:
+    """Why Triton's interpreter cannot run these kernels beside this NumPy, or None. Before Triton 3.7 the
+    interpreter turns a loaded scalar into a loop bound with ``int()`` of a one-element array, which NumPy
+    refuses from 2.4 on: every decode and prefill launch would fail deep inside Triton."""
+    def major_minor(version: str) -> tuple[int, int]:
+        return tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+    if major_minor(triton_version) >= (3, 7) or major_minor(numpy_version) < (2, 4):
+        return None
+    return (f"Triton {triton_version}'s interpreter, which runs kvlib's kernels on CPU tensors, fails with NumPy "
+            f"{numpy_version} (it calls int() on one-element arrays, which NumPy refuses since 2.4): "
+            "pip install 'numpy<2.4' (or Triton 3.7 or later where your torch allows), or use "
+            "attention_backend='torch'")
+
+
+if INTERPRETED and (_blocker := interpreter_blocker(triton.__version__, numpy.__version__)):
+    raise ImportError(_blocker)
