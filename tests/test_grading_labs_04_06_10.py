@@ -14,7 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
-from test_labs_graded import cells_of
+from notebook_cells import graded_cells
 
 from kvlib.core.model_free import ModelFreeEngine
 from kvlib.core.model_free import Request
@@ -36,7 +36,7 @@ ORIGINALS = (Scheduler.schedule_running, Scheduler.schedule_waiting, BlockManage
 
 
 def _grade(lab: str, edits=(), extra=(), base: Path = None) -> dict:
-    cells = cells_of(base or SOLUTIONS[lab], edits) + list(extra)
+    cells = graded_cells(base or SOLUTIONS[lab], edits) + list(extra)
     return {t.task: t for t in grade_cells(lab, cells, runner=InProcess, seed=1).tasks}
 
 
