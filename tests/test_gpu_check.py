@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,7 @@ def test_cpu_torch_is_refused_by_name():
     missing, found = gpu_check.missing_essentials()
     if torch.version.cuda is None:
         assert missing[0].startswith("a CUDA build of torch") and found["torch"] == torch.__version__
+        assert found["numpy"] == np.__version__
 
 
 SLEEPER = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \

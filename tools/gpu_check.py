@@ -9,8 +9,9 @@ installs nothing and assumes only the repository and a CUDA build of torch with 
   that check is recorded as not measured;
 - the parts run in order of value (``PARTS``; ``--parts NAME,...`` runs those alone, in that order,
   and appends to the results file instead of starting it anew), each in its own process group under its own
-  timeout, lengthened by what the parts before it left unused of theirs (``allowance``), and never past ``TOTAL_SECONDS`` from the start, compilation included (Triton's cache
-  is ``.triton-cache/`` in the checkout, ignored by git, so a rerun on a warm machine skips it);
+  timeout, lengthened by what the parts before it left unused of theirs (``allowance``), and never past
+  ``TOTAL_SECONDS`` from the start, compilation included (Triton's cache is ``.triton-cache/`` in the
+  checkout, ignored by git, so a rerun on a warm machine skips it);
   a part that fails or times out is recorded and the next one runs;
 - every record is one JSON line appended to ``gpu_check.jsonl`` as it happens (so a timeout keeps
   what ran): the preflight, each figure a part measures (``kvlib.cli.gpu_parts``), each part's
@@ -87,8 +88,9 @@ def missing_essentials(env: dict | None = None) -> tuple[list[str], dict]:
     missing = []
     if importlib.util.find_spec("torch") is None:
         return ["torch (a CUDA build)"], found
+    import numpy
     import torch
-    found["torch"] = torch.__version__
+    found["torch"], found["numpy"] = torch.__version__, numpy.__version__  # Triton < 3.7 interprets with NumPy < 2.4
     found["cuda"] = torch.version.cuda
     gpu = torch.version.cuda is not None and torch.cuda.is_available()
     if torch.version.cuda is None:
