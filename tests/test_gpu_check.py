@@ -63,10 +63,12 @@ def test_the_preflight_names_everything_missing_at_once(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu_check.shutil, "which", lambda name: None)
     monkeypatch.setattr(gpu_check.sysconfig, "get_paths", lambda: {"include": str(tmp_path)})
     real_find = importlib.util.find_spec
+    absent = ("numpy", "triton")
     monkeypatch.setattr(gpu_check.importlib.util, "find_spec",
-                        lambda name: None if name.startswith("triton") else real_find(name))
+                        lambda name: None if name.split(".")[0] in absent else real_find(name))
     missing, found = gpu_check.missing_essentials(env={})
-    assert missing == ["Triton", "a C compiler (cc, gcc or clang; Triton builds its launcher with it)",
+    assert missing == ["NumPy (kvlib's KV pools and kernels import it)", "Triton",
+                       "a C compiler (cc, gcc or clang; Triton builds its launcher with it)",
                        f"Python.h ({tmp_path / 'Python.h'}; the python3-dev package)",
                        "8 GiB of free device memory (2.0 GiB free)"]
     assert found["device"] == "NVIDIA H200" and found["capability"] == "9.0"

@@ -4,7 +4,7 @@
 installs nothing and assumes only the repository and a CUDA build of torch with Triton:
 
 - the preflight (seconds) names in one line everything missing that the parts need (CUDA torch
-  and a GPU, Triton with its CUDA backend, a C compiler and ``Python.h`` for Triton's launcher,
+  and a GPU, NumPy, Triton with its CUDA backend, a C compiler and ``Python.h`` for Triton's launcher,
   free device memory) and stops; what only one check needs (transformers, pytest) is noted and
   that check is recorded as not measured;
 - the parts run in order of value (``PARTS``; ``--parts NAME,...`` runs those alone, in that order,
@@ -88,15 +88,19 @@ def missing_essentials(env: dict | None = None) -> tuple[list[str], dict]:
     missing = []
     if importlib.util.find_spec("torch") is None:
         return ["torch (a CUDA build)"], found
-    import numpy
     import torch
-    found["torch"], found["numpy"] = torch.__version__, numpy.__version__  # Triton < 3.7 interprets with NumPy < 2.4
+    found["torch"] = torch.__version__
     found["cuda"] = torch.version.cuda
     gpu = torch.version.cuda is not None and torch.cuda.is_available()
     if torch.version.cuda is None:
         missing.append(f"a CUDA build of torch (this one, {torch.__version__}, is CPU-only)")
     elif not gpu:
         missing.append("a visible CUDA GPU (torch.cuda.is_available() is False)")
+    if importlib.util.find_spec("numpy") is None:
+        missing.append("NumPy (kvlib's KV pools and kernels import it)")
+    else:
+        import numpy
+        found["numpy"] = numpy.__version__  # Triton before 3.7 interprets kernels only beside NumPy before 2.4
     if importlib.util.find_spec("triton") is None:
         missing.append("Triton")
     else:
