@@ -136,6 +136,15 @@ BAD = [  # (what is wrong, request body, the param the error names)
     ("chat message without a role", {"model": NAME, "messages": [{"content": "Hi"}]}, "messages.0.role"),
     ("chat with an image", {"model": NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages.0.content"),
+    ("chat text part without its text", {"model": NAME, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0"),
+    ("max_completion_tokens beyond the context",
+     {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 5000},
+     "max_completion_tokens"),
+    ("max_tokens as a string", {"model": NAME, "prompt": "Hi", "max_tokens": "5"}, "max_tokens"),
+    ("max_tokens as a boolean", {"model": NAME, "prompt": "Hi", "max_tokens": True}, "max_tokens"),
+    ("stop token id outside the vocabulary", {"model": NAME, "prompt": "Hi", "stop_token_ids": [99999]},
+     "stop_token_ids"),
 ]
 
 
@@ -161,9 +170,35 @@ def test_a_body_that_is_not_a_json_object_gets_a_400(server, body):
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
 
 
-def test_an_unknown_route_gets_openais_error_shape(server):
-    reply = httpx.get(f"{server.url}/v1/engines")
-    assert reply.status_code == 404 and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+@pytest.mark.parametrize("method, route, status", [("GET", "/v1/engines", 404), ("GET", "/v1/completions", 405),
+                                                   ("GET", "/v1/models/gpt-4", 404)])
+def test_an_unknown_route_or_method_gets_openais_error_shape_as_the_clients_mistake(server, method, route, status):
+    reply = httpx.request(method, f"{server.url}{route}")
+    assert reply.status_code == status and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    assert reply.json()["error"]["type"] == "invalid_request_error"  # a 4xx is the client's to mend, as OpenAI types it
+
+
+def test_the_served_model_is_retrieved_by_name_as_the_client_asks_for_it(client):
+    model = client.models.retrieve(NAME)
+    assert (model.id, model.object, model.owned_by) == (NAME, "model", "kvlib")
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        client.models.retrieve("gpt-4")
+
+
+def test_null_for_an_option_means_its_default_as_the_openai_client_sends_it(client, oracle):
+    """The client sends ``null`` for any argument passed as None; OpenAI documents these fields as nullable."""
+    expected = oracle.generate(PROMPTS[0], SamplingParams(max_tokens=6))[0].text
+    out = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, n=None, stream=None,
+                                    echo=None, presence_penalty=None, frequency_penalty=None, logprobs=None,
+                                    best_of=None, logit_bias=None, suffix=None, seed=None, stop=None, top_p=None,
+                                    user=None, stream_options=None,
+                                    extra_body={"ignore_eos": None, "return_token_ids": None, "stop_token_ids": None})
+    assert [c.text for c in out.choices] == [expected]
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=None,
+                                          max_completion_tokens=4, temperature=0, n=None, stream=None,
+                                          presence_penalty=None, frequency_penalty=None, logprobs=None,
+                                          top_logprobs=None, tools=None, tool_choice=None, response_format=None)
+    assert chat.choices[0].finish_reason in ("stop", "length") and chat.usage.completion_tokens <= 4
 
 
 def test_metrics_use_vllms_names(server, client):

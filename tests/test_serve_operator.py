@@ -219,6 +219,24 @@ def test_a_max_model_len_set_beyond_the_pool_is_refused_at_start_up(chat_llm):
         assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 512
 
 
+def test_the_context_served_leaves_the_pools_watermark_free_so_every_prompt_within_it_is_admitted(chat_llm):
+    """128 blocks of 16 tokens, 1 kept free by the 0.01 watermark: a prompt may fill 127, so 2,032 tokens is the
+    context, not 2,048 (a prompt of 2,040 tokens was taken by the server and refused by the engine)."""
+    llm = LLM(chat_llm.engine.tokenizer.path.parent, EngineConfig(num_gpu_blocks=128), verbose=False)
+    with BackgroundServer(llm, "tiny-chat") as server:
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 2032
+        served = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
+            "model": "tiny-chat", "prompt": [5] * 2031, "max_tokens": 1})
+        assert served.status_code == 200, served.text
+        refused = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny-chat", "prompt": [5] * 2040,
+                                                                   "max_tokens": 1})
+        assert refused.status_code == 400 and "context is 2032" in refused.json()["error"]["message"]
+    set_beyond = LLM(chat_llm.engine.tokenizer.path.parent, EngineConfig(num_gpu_blocks=128, max_model_len=2048),
+                     verbose=False)
+    with pytest.raises(ValueError, match=r"watermark's 1, 2032 tokens.*at least 129,.*at most 2032"):
+        BackgroundServer(set_beyond, "tiny-chat")
+
+
 def test_kvlib_serve_refuses_a_max_model_len_beyond_the_pool_before_it_listens(capsys):
     from kvlib.cli.commands import build_parser
     from kvlib.serve.command import run

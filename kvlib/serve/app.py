@@ -71,11 +71,19 @@ def build_app(llm: LLM, model_name: str, limits: Optional[RequestLimits] = None)
             return _error(f"the last engine step failed: {loop.last_error}", 503)
         return JSONResponse({"status": "ok"})
 
+    card = {"id": model.name, "object": "model", "created": created, "owned_by": "kvlib", "root": model.name,
+            "max_model_len": model.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": created,
-                                            "owned_by": "kvlib", "root": model.name,
-                                            "max_model_len": model.max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")  # :path, as a model's name may hold a slash (org/model)
+    async def one_model(name: str):
+        if name != model.name:
+            return _error(f"the model {name!r} is not served here; this server serves {model.name!r}", 404,
+                          param="model", code="model_not_found")
+        return card
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -2,24 +2,26 @@
 
 Fields are OpenAI's names with OpenAI's defaults (``temperature`` 1, ``max_tokens`` 16 for
 completions, the rest of the context for chat). ``ignore_eos``, ``stop_token_ids`` and
-``return_token_ids`` are extensions vLLM accepts too. An unknown field is refused by name rather than silently ignored, and so
-is a known one kvlib does not implement (``logprobs``, ``echo``, penalties ...), unless it is given
-its neutral value.
+``return_token_ids`` are extensions vLLM accepts too. An unknown field is refused by name rather than silently
+ignored, and so is a known one kvlib does not implement (``logprobs``, ``echo``, penalties ...), unless it is
+given its neutral value. ``null`` for an optional field means its default (the ``openai`` client sends it for an
+argument passed as None). Types are strict: ``"5"`` or ``true`` where a number belongs is refused, not read as 5 or 1.
 """
 from __future__ import annotations
 
 import json
 from typing import Any, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvlib.serve.limits import LIMIT_FLAGS, RequestLimits
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 MAX_STOP_TOKEN_IDS = 256  # each new token is looked up in them at every step: a long list slows every request
 UNSUPPORTED = {  # field: the values that mean "off", which are accepted (as vLLM accepts them)
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (False,), "best_of": (None, 1), "suffix": (None,),
-    "logit_bias": (None, {}), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "tools": (None,),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None,), "logit_bias": (None, {}), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+    "tools": (None,),
     "tool_choice": (None,), "response_format": (None,), "functions": (None,), "function_call": (None,),
 }
 
@@ -46,14 +48,14 @@ class BadRequest(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str
     n: int = 1
     temperature: Optional[float] = None  # None: 1.0, as OpenAI
@@ -75,6 +77,11 @@ class SamplingFields(BaseModel):
     presence_penalty: Any = 0.0
     frequency_penalty: Any = 0.0
 
+    @field_validator("n", "stream", "ignore_eos", "return_token_ids", mode="before")
+    @classmethod
+    def _null_means_the_default(cls, value, info):
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -86,7 +93,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id ...: passed to the chat template as given
+    model_config = ConfigDict(extra="allow", strict=True)  # name, tool_call_id ...: passed to the chat template as given
     role: str
     content: Union[str, list[dict[str, Any]], None] = None
 

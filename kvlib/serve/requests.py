@@ -71,18 +71,29 @@ def _context_the_pool_holds(llm: LLM) -> int:
     that a request sending no ``max_tokens`` is served; a ``max_model_len`` set beyond the pool is refused."""
     engine = llm.engine
     blocks, block_size = engine.block_manager.num_device_blocks, engine.config.block_size
-    pool = blocks * block_size
+    admitted = blocks - engine.block_manager.watermark_blocks  # the most a prompt may fill (Scheduler.why_never)
+    pool = admitted * block_size
     if engine.max_model_len <= pool:
         return engine.max_model_len
     if engine.config.max_model_len is not None:
-        raise ValueError(f"max_model_len={engine.max_model_len} is more than the KV pool holds: {blocks} blocks of "
-                         f"{block_size} tokens, {pool} tokens, so a request that long could never run; raise "
-                         f"num_gpu_blocks (--num-gpu-blocks) to at least {-(-engine.max_model_len // block_size)}, "
+        needed = _blocks_admitting(-(-engine.max_model_len // block_size), engine.config.watermark)
+        raise ValueError(f"max_model_len={engine.max_model_len} is more than the KV pool admits: {blocks} blocks of "
+                         f"{block_size} tokens less the watermark's {blocks - admitted}, {pool} tokens, so a prompt "
+                         f"that long could never run; raise num_gpu_blocks (--num-gpu-blocks) to at least {needed}, "
                          f"or lower max_model_len (--max-model-len) to at most {pool}")
-    logger.warning("the KV pool holds %d tokens (%d blocks of %d), less than the model's context of %d: serving a "
-                   "context of %d tokens; raise num_gpu_blocks (--num-gpu-blocks) for more", pool, blocks, block_size,
-                   engine.max_model_len, pool)
+    logger.warning("the KV pool admits %d tokens (%d blocks of %d, less the watermark's %d), less than the model's "
+                   "context of %d: serving a context of %d tokens; raise num_gpu_blocks (--num-gpu-blocks) for more",
+                   pool, blocks, block_size, blocks - admitted, engine.max_model_len, pool)
     return pool
+
+
+def _blocks_admitting(needed: int, watermark: float) -> int:
+    """The smallest pool whose blocks less its watermark (``int(watermark * blocks)``, as the engine keeps it) are
+    ``needed`` or more."""
+    blocks = needed
+    while blocks - int(watermark * blocks) < needed:
+        blocks += 1
+    return blocks
 
 
 @dataclass(frozen=True)
@@ -113,8 +124,10 @@ def chat_work(request: ChatCompletionRequest, model: ServedModel) -> EngineWork:
         prompt = model.encode_chat(messages)
     except Exception as err:  # a template may raise anything (raise_exception, a missing key)
         raise BadRequest(f"the chat template refused these messages: {err}", param="messages") from None
-    max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-    return _work(request, [_prompt_ids(prompt, model, "messages")], max_tokens, model)
+    if request.max_completion_tokens is not None:
+        return _work(request, [_prompt_ids(prompt, model, "messages")], request.max_completion_tokens, model,
+                     max_tokens_name="max_completion_tokens")
+    return _work(request, [_prompt_ids(prompt, model, "messages")], request.max_tokens, model)
 
 
 def _check_model(request: SamplingFields, model: ServedModel) -> None:
@@ -134,10 +147,14 @@ def _message_text(content, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+    for number, part in enumerate(content):
+        if part.get("type") != "text":
             raise BadRequest(f"messages[{index}].content holds a {part.get('type')!r} part; kvlib serves text only",
                              param=f"messages.{index}.content", code="unsupported_content")
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(f"messages[{index}].content[{number}] is a text part without a 'text' string: give it "
+                             f'one, as {{"type": "text", "text": "..."}}', param=f"messages.{index}.content.{number}",
+                             code="invalid_value")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -167,7 +184,9 @@ def _prompt_ids(prompt, model: ServedModel, param: str, spent: int = 0) -> list[
     return list(prompt)
 
 
-def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optional[int], model: ServedModel) -> EngineWork:
+def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optional[int], model: ServedModel,
+          max_tokens_name: str = "max_tokens") -> EngineWork:
+    """The engine's work, every value checked; errors name the field as the client sent it (``max_tokens_name``)."""
     longest = max(len(p) for p in prompts)
     room = model.max_model_len - longest
     if room < 1:
@@ -177,11 +196,12 @@ def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optiona
     if max_tokens is None:
         max_tokens = room
     if max_tokens < 1:
-        raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        raise BadRequest(f"{max_tokens_name} must be at least 1, got {max_tokens}", param=max_tokens_name)
     if longest + max_tokens > model.max_model_len:
         raise BadRequest(f"this model's context is {model.max_model_len} tokens, but the prompt ({longest} tokens) "
-                         f"plus max_tokens ({max_tokens}) is {longest + max_tokens}; lower max_tokens to at most "
-                         f"{room} or shorten the prompt", param="max_tokens", code="context_length_exceeded")
+                         f"plus {max_tokens_name} ({max_tokens}) is {longest + max_tokens}; lower {max_tokens_name} "
+                         f"to at most {room} or shorten the prompt", param=max_tokens_name,
+                         code="context_length_exceeded")
     if not 1 <= request.n <= model.max_num_seqs:
         raise BadRequest(f"n must be from 1 to {model.max_num_seqs} (the server's max_num_seqs: every sample runs in "
                          f"the batch at once), got {request.n}", param="n")
@@ -200,6 +220,11 @@ def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optiona
     if len(request.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
         raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}",
                          param="stop_token_ids")
+    outside = [t for t in request.stop_token_ids or () if not 0 <= t < model.vocab_size]
+    if outside:
+        raise BadRequest(f"stop_token_ids holds {outside[0]}, outside the model's vocabulary of {model.vocab_size} "
+                         f"(ids 0 to {model.vocab_size - 1}): the model can never produce it", param="stop_token_ids",
+                         code="invalid_token_id")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=request.n,
                                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []),

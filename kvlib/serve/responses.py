@@ -10,11 +10,10 @@ from typing import Optional
 
 from kvlib.serve.generation import Generation
 
-ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
-
-
 def error_body(message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+    """OpenAI's error shape; its ``type`` says whose to mend: the client's (4xx) or the server's (5xx)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def sse(data) -> bytes:
