@@ -33,6 +33,15 @@ def scrape(url: str) -> dict[str, float]:
     return values
 
 
+def successes(url: str, finished_reason: str) -> float:
+    """``vllm:request_success_total`` for one finish reason."""
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "vllm:request_success_total" and sample.labels["finished_reason"] == finished_reason:
+                return sample.value
+    return 0.0
+
+
 def ended_requests(url: str, expected: int, timeout: float = 60.0) -> dict[str, float]:
     """``/metrics`` once ``expected`` requests have ended (finished or aborted): a client's close reaches the
     server a moment after the client returns. ``timeout`` only guards against a hang."""

@@ -11,7 +11,7 @@ import pytest
 
 from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.serve.server import BackgroundServer
-from serve_helpers import FailingStep, chat_model_folder, ended_requests, scrape, settled_pools
+from serve_helpers import FailingStep, chat_model_folder, ended_requests, scrape, settled_pools, successes
 
 NAME = "tiny-chat"
 CONFIG = EngineConfig(num_gpu_blocks=64, num_cpu_blocks=32, max_num_seqs=8)
@@ -99,7 +99,7 @@ def test_a_stop_string_cuts_the_text_and_frees_the_request(server, client, oracl
     full = oracle.generate(PROMPTS[2], SamplingParams(max_tokens=40))[0].text
     stop = full[len(full) // 2:len(full) // 2 + 3]
     cut = full[:full.index(stop)]
-    aborted = scrape(server.url)["kvlib:num_requests_aborted_total"]
+    before, successes_before = scrape(server.url), successes(server.url, "stop")
     out = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[stop])
     assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
     streamed = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=stop,
@@ -107,7 +107,10 @@ def test_a_stop_string_cuts_the_text_and_frees_the_request(server, client, oracl
     pieces = [c.choices[0] for c in streamed]
     assert "".join(p.text for p in pieces) == cut and pieces[-1].finish_reason == "stop"
     assert settled_pools(server) == {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}
-    assert scrape(server.url)["kvlib:num_requests_aborted_total"] == aborted + 2  # stopped early, not run to the end
+    after = scrape(server.url)  # ended early, and counted as vLLM counts a stop: finished, not aborted
+    assert after["kvlib:num_requests_aborted_total"] == before["kvlib:num_requests_aborted_total"]
+    assert successes(server.url, "stop") == successes_before + 2
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"] + 2
 
 
 LONG = "word " * 1100  # fits the model's context (2,048 tokens), not the 64-block pool (1,024 token slots)

@@ -491,3 +491,15 @@ def test_a_burst_of_requests_joins_the_engine_at_most_256_between_two_steps():
     loop.stop()
     growth = [b - a for a, b in zip([0] + queued, queued)]
     assert queued[0] == 256 and max(growth) <= 256 and sorted(finished) == sorted(f"burst-{i}" for i in range(600))
+
+
+def test_host_prefix_blocks_count_as_free_in_the_host_usage_gauge_as_cached_device_blocks_do():
+    """The tier gives a block up whenever a swap needs the room: an idle server read 0.9 with a full tier."""
+    config = EngineConfig(num_gpu_blocks=16, num_cpu_blocks=16, enable_prefix_caching=True, host_prefix_cache=True)
+    with BackgroundServer(LLM("default", config, verbose=False), "default") as server:
+        for first in range(8):  # eight different 64-token prompts through a 16-block pool: evictions fill the tier
+            assert completion(server, prompt=[first + 5] + [7] * 63, max_tokens=1).status_code == 200
+        tier = server.engine_loop.call(lambda llm: llm.engine.block_manager.host_tier.num_cached).result(30)
+        assert tier >= 8
+        metrics = scrape(server.url)
+        assert (metrics["vllm:cpu_cache_usage_perc"], metrics["vllm:gpu_cache_usage_perc"]) == (0.0, 0.0)

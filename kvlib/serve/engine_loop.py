@@ -1,7 +1,8 @@
 """The one thread that owns the engine: it adds and aborts requests between steps, steps, and hands out outputs.
 
 The engine is not thread-safe, and it need not be: every call into it happens on this thread. The
-HTTP side only puts commands in an inbox (add, abort, probe, or a function to run between steps) and
+HTTP side only puts commands in an inbox (add, abort, end on a stop string, probe, or a function to run
+between steps) and
 reads events from the queue each request brought. A request's events, in order: ``accepted`` (after
 the first step that follows its add, when the engine did not reject it), then one ``output`` per step
 that gave it tokens, the last one finished; or a single ``error`` (a rejection, or a step that raised).
@@ -51,10 +52,11 @@ class LoopObserver:
 
     def first_token(self, seconds: float) -> None: ...
     def token_gap(self, seconds: float) -> None: ...
-    def finished(self, seconds: float, output: RequestOutput) -> None: ...
+    def finished(self, seconds: float, finished_reason: str) -> None: ...
     def engine_changed(self, llm: LLM) -> None: ...
     def uncounted(self, counts: dict[str, float]) -> None:
-        """What the engine's metrics counted for the loop's own probe (by field), which no client asked for."""
+        """What the engine's metrics counted (by field) that the server reports otherwise: the loop's own probe,
+        which no client asked for, and the abort that ends a request on a stop string, which finished it."""
 
 
 @dataclass
@@ -107,6 +109,12 @@ class EngineLoop:
         """Abort a request; once the loop is stopping, nothing to do: stopping ends every request."""
         if self.alive:
             self._send(("abort", request_id))
+
+    def end_stopped(self, request_id: str) -> None:
+        """End a request whose every choice met a stop string (the engine stops on token ids only): its blocks go
+        back as an abort's do, and it counts as finished with reason ``stop``, as vLLM counts it, not as aborted."""
+        if self.alive:
+            self._send(("stopped", request_id))
 
     def call(self, fn: Callable[[LLM], object]) -> concurrent.futures.Future:
         """Run ``fn(llm)`` on the engine thread between two steps (to inspect the engine safely)."""
@@ -170,6 +178,8 @@ class EngineLoop:
                     added.append(command[1])
             elif kind == "abort":
                 self._abort(command[1])
+            elif kind == "stopped":
+                self._end_stopped(command[1])
             elif kind == "probe":
                 self._probes.append(command[1])
             else:
@@ -206,6 +216,16 @@ class EngineLoop:
         if self._live.pop(request_id, None) is None:
             return
         self.llm.engine.abort_request(request_id)
+        self._observe_engine()
+
+    def _end_stopped(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:  # the engine finished it first (its own reason counted), or the client left
+            return
+        aborted = self.llm.metrics.num_aborted
+        self.llm.engine.abort_request(request_id)
+        self.observer.uncounted({"num_aborted": self.llm.metrics.num_aborted - aborted})
+        self.observer.finished(time.perf_counter() - live.submitted, "stop")
         self._observe_engine()
 
     def _probe_alone(self) -> None:
@@ -260,7 +280,7 @@ class EngineLoop:
             live.sink(EngineEvent("output", output=out))
             if out.finished:
                 del self._live[out.request_id]
-                self.observer.finished(now - live.submitted, out)
+                self.observer.finished(now - live.submitted, request_finish_reason(out))
 
     def _time_tokens(self, live: _Live, out: RequestOutput, now: float) -> None:
         counts = [len(s.token_ids) for s in out.samples]
@@ -291,6 +311,13 @@ class EngineLoop:
                 logger.exception("aborting %s after the engine failed raised too", request_id)
         self._answer_probes(False)
         self._observe_engine()
+
+
+def request_finish_reason(output: RequestOutput) -> str:
+    """One reason for a whole request, as ``vllm:request_success`` counts requests, not samples: ``length`` if any
+    of its samples was cut at max_tokens, else the first sample's (``stop``)."""
+    reasons = [sample.finish_reason or "stop" for sample in output.samples]
+    return "length" if "length" in reasons else reasons[0]
 
 
 def _counters(metrics) -> dict[str, float]:

@@ -4,7 +4,7 @@ Text is decoded incrementally, the way vLLM's detokenizer does it: each new toke
 window with the token before it, so a character split over several tokens is handed out once it is
 whole. Stop strings are the server's: the engine stops on token ids, so when a choice's text
 reaches a stop string the text is cut there and, once every choice of that prompt has stopped, the
-engine request is aborted, freeing its blocks at once.
+engine loop ends the engine request (``EngineLoop.end_stopped``), freeing its blocks at once.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ class Generation:
         if out.finished or all(c.finished for c in mine):
             self._open.discard(index)
             if not out.finished:  # every choice met a stop string: the engine need not go on
-                self._loop.abort(self._request_id(index))
+                self._loop.end_stopped(self._request_id(index))
         return changed
 
     def close(self) -> None:

@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvlib.llm import LLM
-from kvlib.outputs import RequestOutput
 from kvlib.serve.engine_loop import LoopObserver
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -40,24 +39,25 @@ COUNTERS = {  # name without _total: (help, llm.metrics field)
     "kvlib:num_swapped_in_blocks": ("Blocks copied back to the device on resuming", "num_swapped_in_blocks"),
     "kvlib:num_recomputed_tokens": ("Tokens prefilled again after a recompute preemption", "num_recomputed_tokens"),
     "kvlib:num_requests_rejected": ("Requests the engine refused (they could never run)", "num_rejected"),
-    "kvlib:num_requests_aborted": ("Requests aborted: the client left, or every choice met a stop string",
-                                   "num_aborted"),
+    "kvlib:num_requests_aborted": ("Requests aborted: the client left before the end", "num_aborted"),
 }
 
 
 def engine_snapshot(llm: LLM) -> dict:
     """The numbers a scrape reports, read on the engine thread: queue lengths, pool usage, the metrics' counters.
 
-    Usage counts a cached block nobody uses as free, as vLLM's does: it is handed out when needed.
+    Usage counts a cached block nobody uses as free, as vLLM's does: it is handed out when needed. So does the
+    host pool's: a block of the host prefix tier is given up whenever a swap needs the room.
     """
     engine = llm.engine
     scheduler, blocks = engine.scheduler, engine.block_manager
     host_blocks = engine.config.num_cpu_blocks
+    host_cached = blocks.host_tier.num_cached if blocks.host_tier is not None else 0
     snapshot = {field: getattr(llm.metrics, field) for _, field in COUNTERS.values()}
     snapshot.update(running=_requests(scheduler.running), waiting=_requests(scheduler.waiting),
                     swapped=_requests(scheduler.swapped),
                     gpu_usage=1.0 - blocks.num_free_blocks / blocks.num_device_blocks,
-                    cpu_usage=1.0 - blocks.num_free_host_blocks / host_blocks if host_blocks else 0.0)
+                    cpu_usage=1.0 - (blocks.num_free_host_blocks + host_cached) / host_blocks if host_blocks else 0.0)
     return snapshot
 
 
@@ -65,13 +65,6 @@ def _requests(sequences) -> int:
     """Requests, not sequences: the samples of one request (n > 1) count once, as in vLLM."""
     return len({seq.request_id for seq in sequences})
 
-
-
-def request_finish_reason(output: RequestOutput) -> str:
-    """One reason for a whole request, as ``vllm:request_success`` counts requests, not samples: ``length`` if any
-    of its samples was cut at max_tokens, else the first sample's (``stop``)."""
-    reasons = [sample.finish_reason or "stop" for sample in output.samples]
-    return "length" if "length" in reasons else reasons[0]
 
 class ServerMetrics(LoopObserver):
     """The engine loop's observer, and the collector ``/metrics`` reads."""
@@ -99,9 +92,9 @@ class ServerMetrics(LoopObserver):
     def token_gap(self, seconds: float) -> None:
         self._gap.observe(seconds)
 
-    def finished(self, seconds: float, output: RequestOutput) -> None:
+    def finished(self, seconds: float, finished_reason: str) -> None:
         self._e2e.observe(seconds)
-        self._success.labels(self.model_name, request_finish_reason(output)).inc()  # once per request, whatever n
+        self._success.labels(self.model_name, finished_reason).inc()  # once per request, whatever n
 
     def engine_changed(self, llm: LLM) -> None:
         snapshot = engine_snapshot(llm)
