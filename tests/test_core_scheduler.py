@@ -388,6 +388,37 @@ def test_auto_mode_gives_the_policy_the_engines_cost_model_and_the_pools_state()
     assert context.host_free_blocks == 4 and context.batch_tokens == 2
 
 
+def test_the_host_room_a_policy_sees_counts_the_host_prefix_tier_blocks_a_swap_would_evict():
+    """A swap evicts host-tier prefix blocks for room (``make_host_room``): with all 4 host blocks in the tier, a
+    policy told "none free" would recompute a victim whose swap had room."""
+    from kvlib.core.block_allocator import BlockAllocator
+    from kvlib.core.block_manager import BlockManager
+    from kvlib.core.plan import SchedulerOutput
+    from kvlib.core.preemption import LatestArrivalPolicy
+
+    contexts = []
+
+    class Recording(LatestArrivalPolicy):
+        def choose_mode(self, victim, context):
+            contexts.append(context)
+            return "swap"
+
+    config = EngineConfig(block_size=2, num_gpu_blocks=2, num_cpu_blocks=4, preemption_mode="auto", watermark=0.0,
+                          enable_prefix_caching=True, host_prefix_cache=True)
+    bm = BlockManager(2, BlockAllocator(2), BlockAllocator(4), enable_prefix_caching=True, host_prefix_cache=True)
+    for name in range(4):
+        bm.host_tier.put(1000 + name, (9, name), bm.host_pool.allocate())
+    scheduler = Scheduler(config, bm, Recording(), block_bytes=1, cost_model=object())
+    for i in range(2):
+        scheduler.add(Sequence(f"r{i}", [1, 2 + i], SamplingParams(max_tokens=3, ignore_eos=True), 2, float(i)))
+    plan = scheduler.schedule(SchedulerOutput())
+    scheduler.postprocess(plan, [7] * len(plan.draws), now=0.0)
+    plan = scheduler.schedule(SchedulerOutput())  # r0 needs a second block: r1 gives its one up
+    [context] = contexts
+    assert (context.num_host_blocks, context.host_free_blocks) == (1, 4)
+    assert [p.mode for p in plan.preemptions] == ["swap"] and bm.host_tier.num_cached == 3  # one evicted for it
+
+
 def one_step_scheduler(max_model_len=None, max_num_seqs=256) -> Scheduler:
     from kvlib.core.block_allocator import BlockAllocator
     from kvlib.core.block_manager import BlockManager

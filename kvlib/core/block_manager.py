@@ -84,6 +84,13 @@ class BlockManager:
         return self.host_pool.num_free
 
     @property
+    def num_host_blocks_for_swap(self) -> int:
+        """Host blocks a swap can have now: free ones, and host-tier prefix blocks no move of this step holds,
+        which ``make_host_room`` evicts for it."""
+        tier = self.host_tier or ()
+        return self.host_pool.num_free + sum(1 for entry in tier if self.host_pool.ref_count(entry.block_id) == 1)
+
+    @property
     def num_free_blocks(self) -> int:
         """Device blocks that can be handed out now: free ones, plus cached ones nobody uses."""
         return self.device_pool.num_free + (self.cache.num_evictable if self.cache is not None else 0)

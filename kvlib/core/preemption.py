@@ -42,7 +42,7 @@ class PreemptionContext:
     num_tokens: int  # computed tokens those blocks hold (what recompute must redo)
     num_host_blocks: int  # host blocks a swap would fill (blocks shared with an earlier copy move once)
     block_bytes: int
-    host_free_blocks: int
+    host_free_blocks: int  # host blocks a swap can have: free, or held by the host prefix tier only
     cost_model: Optional[PreemptionCostModel] = None  # the engine's measured one, in auto mode
     batch_tokens: int = 1  # tokens the step a recompute joins carries anyway: the running decode batch
 
