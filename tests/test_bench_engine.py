@@ -202,6 +202,22 @@ def test_the_command_prints_the_headline(checkpoint, capsys):
     assert "one row cap and one cache asked for, so nothing to tune" in out  # no tuning pass for a single candidate
 
 
+def test_every_engine_is_warmed_up_untimed_before_any_pass_that_counts(checkpoint):
+    """A first pass pays for kernel compiles and a first batch's allocations: every engine, each static candidate
+    included, serves a short warm-up before the tuning and the rounds, so none of them pays it in a timed pass."""
+    requests = make_workload(6, 0.05, 1000.0, vocab_size=96)
+    budget = 3 * max(len(r.prompt) + r.max_tokens for r in requests)
+    stages = []
+    report = compare(checkpoint("llama-gqa"), requests, budget, block_size=4, rounds=1, caches=("dynamic",),
+                     static_rows=[1, 2], served=lambda stage, name, row: stages.append((stage, name, row)))
+    warm = [(name, row) for stage, name, row in stages if stage == "warm-up"]
+    timed = [name for stage, name, _ in stages if stage != "warm-up"]
+    assert [stage for stage, _, _ in stages[:len(warm)]] == ["warm-up"] * len(warm)  # all before the first timed
+    assert {name for name, _ in warm} == set(timed) | {row["engine"] for row in report["tuning"]}
+    for _, row in warm:
+        assert [len(t) for t in row["tokens"]] == [min(r.max_tokens, 4) for r in requests[:4]]
+
+
 def test_a_tuning_with_nothing_to_try_is_refused(checkpoint):
     requests = _requests((0.0, 4, 2))
     with pytest.raises(ValueError, match=r"at least one cache and row caps of at least 1.*row caps \[0\]"):

@@ -168,6 +168,8 @@ def part_real_engine(out) -> bool:
         start = time.perf_counter()
 
         def served(stage: str, name: str, row: dict) -> None:
+            if stage == "warm-up":  # a few requests of a few tokens: no figure (its progress record shows it ran)
+                return
             out.add("engine output tokens/s", row["output tokens/s"], "output tokens/s", shape=shape, engine=name,
                     stage=stage, seconds_into_part=time.perf_counter() - start, requests=len(requests),
                     **{key: row.get(key) for key in ("TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s", "ITL note",

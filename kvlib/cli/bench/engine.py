@@ -20,8 +20,10 @@ All run on the same device in the same dtype, those kvlib picks for itself (``de
 ``dtype="auto"``: bfloat16 on a recent GPU, float32 on a CPU): a transformers baseline left in
 float32 on the host would say nothing about kvlib on a GPU.
 
-Every engine serves the workload ``--rounds`` times, the engines in turns within each round (the
-order reversed every other round), so a machine shared with other work slows all of them alike.
+Every engine first serves a short untimed warm-up (the first requests, cut to a few tokens), so that
+no timed pass pays for compiling kernels or allocating what a first batch needs; then the workload
+``--rounds`` times, the engines in turns within each round (the order reversed every other round),
+so a machine shared with other work slows all of them alike.
 The report gives each engine's median output tokens/s with its min-max, its TTFT, end-to-end and
 inter-token latency (ITL: every gap between two consecutive tokens of a request, timed as each
 engine hands its tokens over), kvlib's ratio against each baseline paired round by round (median,
@@ -52,6 +54,7 @@ from kvlib.model.catalog import resolve_model_folder
 from kvlib.model.config import ModelConfig
 
 __all__ = ["Placement", "Request", "compare", "main", "make_workload", "run_kvlib", "run_transformers"]
+WARM_UP_REQUESTS, WARM_UP_TOKENS = 4, 4  # the untimed pass each engine serves first
 
 
 class StepProfile:
@@ -184,23 +187,26 @@ def compare(folder: Path, requests: list[Request], budget: int, block_size: int,
     if not caches or not rows_tried or min(rows_tried) < 1:
         raise ValueError(f"the static baseline needs at least one cache and row caps of at least 1 to tune over, "
                          f"got caches {list(caches)} and row caps {rows_tried}")
+    kvlib_engines = [kvlib] + ([KvlibServer(folder, budget, block_size, cuda_graphs=False, placement=placement)]
+                               if compare_graphs and torch.cuda.is_available() else [])
     progress("loading transformers' model")
     model = load_transformers(folder, placement)
     tuning = [StaticBatches(model, slots, rows, cache, placement) for rows in rows_tried for cache in caches]
+    paged = [PagedBatches(model, slots, block_size, kvlib.max_batch_tokens, placement)] if has_paged_batching(
+        model) else []
 
-    def serve(engine, stage: str) -> Served:
+    def serve(engine, stage: str, work: list[Request] = requests) -> Served:
         progress(f"{engine.name}: {stage}")
-        row = engine.serve(requests)
+        row = engine.serve(work)
         if served is not None:
             served(stage, engine.name, row)
         return row
+    for engine in kvlib_engines + tuning + paged:
+        serve(engine, "warm-up", warm_up_requests(requests))
     # one candidate leaves nothing to choose: it enters the rounds untried (a whole pass saved)
     tuned = [(candidate, serve(candidate, "tuning")) for candidate in tuning] if len(tuning) > 1 else []
     best_static = max(tuned, key=lambda pair: pair[1]["output tokens/s"])[0] if tuned else tuning[0]
-    engines = [kvlib, best_static] + ([PagedBatches(model, slots, block_size, kvlib.max_batch_tokens, placement)]
-                                      if has_paged_batching(model) else [])
-    if compare_graphs and torch.cuda.is_available():
-        engines.insert(1, KvlibServer(folder, budget, block_size, cuda_graphs=False, placement=placement))
+    engines = kvlib_engines + [best_static] + paged
     runs = {engine.name: [] for engine in engines}
     for k in range(rounds):
         for engine in (engines if k % 2 == 0 else engines[::-1]):
@@ -215,6 +221,12 @@ def compare(folder: Path, requests: list[Request], budget: int, block_size: int,
                        for c, row in tuned],
             "paired": paired, "strongest": strongest,
             "agree": {name: sum(a == b for a, b in zip(reference, runs[name][0]["tokens"])) for name in baselines}}
+
+
+def warm_up_requests(requests: list[Request]) -> list[Request]:
+    """The first ``WARM_UP_REQUESTS`` requests, all arrived at once and cut to ``WARM_UP_TOKENS`` tokens: a pass
+    that pays for compiling kernels and for a first batch's allocations, which a timed pass would otherwise pay."""
+    return [Request(0.0, r.prompt, min(r.max_tokens, WARM_UP_TOKENS)) for r in requests[:WARM_UP_REQUESTS]]
 
 
 def _median_measured(runs: list[dict], key: str) -> Optional[float]:
