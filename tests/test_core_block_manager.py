@@ -6,7 +6,6 @@ blocks a write must copy, what a partial preemption may take, that prefix names 
 sequence's blocks, what each step's moves hold, and that the host pool gets back every block a
 move held once the step ends.
 """
-import pytest
 
 from kvlib.config import SamplingParams
 from kvlib.core.block_allocator import BlockAllocator

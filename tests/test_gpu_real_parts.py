@@ -9,7 +9,7 @@ from kvlib import LLM, EngineConfig
 from kvlib.cli import gpu_real_parts
 from kvlib.cli.gpu_parts import Results
 from kvlib.cli.gpu_real_parts import agreeing_prefix, measured_runs_for
-from kvlib.cli.gpu_shapes import COMPLETE, SHAPES, shape_folder, write_checkpoint
+from kvlib.cli.gpu_shapes import COMPLETE, SHAPES, shape_folder
 
 
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "tiny"])

@@ -1,7 +1,6 @@
 """A sandbox's whole process tree is bounded in processes and memory, and nothing in it survives ``close``."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
