@@ -223,8 +223,9 @@ class Scheduler:
         kept = len(seq.block_table) - count
         context = PreemptionContext(
             num_blocks=count, num_tokens=seq.num_computed_tokens - min(seq.num_computed_tokens, kept * self.block_size),
-            num_host_blocks=host_needed, block_bytes=self.block_bytes, host_free_blocks=self.bm.num_host_blocks_for_swap,
-            cost_model=self.cost_model, batch_tokens=max(1, len(self.running)))
+            num_host_blocks=host_needed, block_bytes=self.block_bytes,
+            host_free_blocks=self.bm.num_host_blocks_for_swap, cost_model=self.cost_model,
+            batch_tokens=max(1, len(self.running)))
         mode = self.policy.choose_mode(victim, context)
         if mode not in PREEMPTION_MECHANISMS:
             raise ValueError(f"the preemption policy's choose_mode returned {mode!r}; it must return "

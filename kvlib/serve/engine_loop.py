@@ -1,11 +1,11 @@
 """The one thread that owns the engine: it adds and aborts requests between steps, steps, and hands out outputs.
 
 The engine is not thread-safe, and it need not be: every call into it happens on this thread. The
-HTTP side only puts commands in an inbox (add, abort, end on a stop string, probe, or a function to run
-between steps) and
-reads events from the queue each request brought. A request's events, in order: ``accepted`` (after
-the first step that follows its add, when the engine did not reject it), then one ``output`` per step
-that gave it tokens, the last one finished; or a single ``error`` (a rejection, or a step that raised).
+HTTP side only puts commands in an inbox (add, abort, end on a stop string, probe, or a function to
+run between steps) and reads events from the queue each request brought. A request's events, in
+order: ``accepted`` (after the first step that follows its add, when the engine did not reject it),
+then one ``output`` per step that gave it tokens, the last one finished; or a single ``error`` (a
+rejection, or a step that raised).
 
 A step that raises fails every live request with that error (a 500 for the client, never a hang)
 and aborts them, so their blocks go back; the loop then waits for the next request. Until a step

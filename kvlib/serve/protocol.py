@@ -21,8 +21,8 @@ MAX_STOP_TOKEN_IDS = 256  # each new token is looked up in them at every step: a
 UNSUPPORTED = {  # field: the values that mean "off", which are accepted (as vLLM accepts them)
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None,), "logit_bias": (None, {}), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-    "tools": (None,),
-    "tool_choice": (None,), "response_format": (None,), "functions": (None,), "function_call": (None,),
+    "tools": (None,), "tool_choice": (None,), "response_format": (None,), "functions": (None,),
+    "function_call": (None,),
 }
 
 
