@@ -167,7 +167,10 @@ def test_a_bad_request_gets_openais_error_shape_and_the_server_keeps_serving(ser
         oracle.generate(PROMPTS[0], SamplingParams(max_tokens=4))[0].text
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe", b""], ids=["broken", "a list", "not utf-8", "empty"])
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b"\xff\xfe", b"",
+                                  b'{"model": "m", "prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
+                                  b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"],
+                         ids=["broken", "a list", "not utf-8", "empty", "an integer of 5,001 digits", "nested 100,000 deep"])
 def test_a_body_that_is_not_a_json_object_gets_a_400(server, body):
     reply = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert reply.status_code == 400 and reply.json()["error"]["code"] == "invalid_json"
@@ -197,6 +200,9 @@ def test_null_for_an_option_means_its_default_as_the_openai_client_sends_it(clie
                                     user=None, stream_options=None,
                                     extra_body={"ignore_eos": None, "return_token_ids": None, "stop_token_ids": None})
     assert [c.text for c in out.choices] == [expected]
+    default = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=None, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # OpenAI's default for completions, not the rest of the context
     chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=None,
                                           max_completion_tokens=4, temperature=0, n=None, stream=None,
                                           presence_penalty=None, frequency_penalty=None, logprobs=None,

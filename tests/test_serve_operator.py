@@ -237,6 +237,15 @@ def test_the_context_served_leaves_the_pools_watermark_free_so_every_prompt_with
         BackgroundServer(set_beyond, "tiny-chat")
 
 
+def test_kvlib_serve_says_what_is_wrong_with_a_model_it_cannot_build_without_a_traceback(capsys):
+    from kvlib.cli.commands import build_parser
+    from kvlib.serve.command import run
+    assert run(build_parser().parse_args(["serve", "/no/such/model"])) == 2
+    assert "kvlib serve: model folder /no/such/model does not exist" in capsys.readouterr().err
+    assert run(build_parser().parse_args(["serve", "default", "--max-model-len", "99999"])) == 2
+    assert "kvlib serve: " in capsys.readouterr().err
+
+
 def test_kvlib_serve_refuses_a_max_model_len_beyond_the_pool_before_it_listens(capsys):
     from kvlib.cli.commands import build_parser
     from kvlib.serve.command import run
@@ -503,3 +512,35 @@ def test_host_prefix_blocks_count_as_free_in_the_host_usage_gauge_as_cached_devi
         assert tier >= 8
         metrics = scrape(server.url)
         assert (metrics["vllm:cpu_cache_usage_perc"], metrics["vllm:gpu_cache_usage_perc"]) == (0.0, 0.0)
+
+
+def test_a_client_that_leaves_while_sending_its_body_gets_no_answer_and_no_server_error(llm):
+    """The body was announced as 1,000 bytes and 10 came: the app answers 499 (nobody reads it), never a 500."""
+    import asyncio
+    from kvlib.serve.app import build_app
+    messages = [{"type": "http.request", "body": b"0123456789", "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "scheme": "http", "http_version": "1.1", "server": ("test", 80),
+             "client": ("client", 1), "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")]}
+    asyncio.run(build_app(llm, "default")(scope, receive, send))
+    assert sent[0]["status"] == 499
+
+
+def test_stop_strings_on_a_model_without_a_tokenizer_are_refused_naming_stop_token_ids():
+    """Stop strings are matched in text: without a tokenizer there is none, and they were silently ignored."""
+    from kvlib.serve.protocol import BadRequest, CompletionRequest
+    from kvlib.serve.requests import ServedModel, completion_work
+    model = ServedModel("ids-only", max_model_len=64, max_num_seqs=4, vocab_size=100, tokenizer=None)
+    request = CompletionRequest.model_validate({"model": "ids-only", "prompt": [1, 2, 3], "stop": ["a"]})
+    with pytest.raises(BadRequest, match="stop_token_ids") as refused:
+        completion_work(request, model)
+    assert refused.value.param == "stop"
+    ids_only = CompletionRequest.model_validate({"model": "ids-only", "prompt": [1, 2, 3], "stop_token_ids": [7]})
+    assert completion_work(ids_only, model).params.stop_token_ids == [7]

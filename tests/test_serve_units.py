@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,12 @@ from pathlib import Path
 import pytest
 
 import kvlib
-from kvlib import EngineConfig
+from kvlib import EngineConfig, SamplingParams
 from kvlib.cli.commands import build_parser
 from kvlib.serve.command import engine_config
-from kvlib.serve.generation import ChoiceText
+from kvlib.outputs import RequestOutput, SampleOutput
+from kvlib.serve.generation import ChoiceText, Generation
+from kvlib.serve.requests import EngineWork
 from kvlib.tokenizer import Tokenizer
 from kvlib.model.default import default_model_path
 
@@ -66,6 +69,37 @@ def test_the_earliest_of_several_stop_strings_wins(tokenizer):
     ids = tokenizer.encode("alpha beta gamma delta")
     choice = ChoiceText(tokenizer, ("delta", "beta"))
     assert streamed(choice, ids) == "alpha "
+
+
+class RecordingLoop:
+    """The engine loop's side of a ``Generation``: what it was asked to submit and to end."""
+
+    def __init__(self):
+        self.submitted, self.ended = [], []
+
+    def submit(self, request_id, prompt, params, sink):
+        self.submitted.append(request_id)
+
+    def end_stopped(self, request_id):
+        self.ended.append(request_id)
+
+
+def test_a_sample_that_ends_on_eos_while_the_others_meet_stop_strings_ends_the_request(tokenizer):
+    """n = 2: one sample ends in the engine (EOS), the other meets a stop string: every choice is done, so the
+    request ends now; before, the EOS choice waited for the request, and the engine ran the other to max_tokens."""
+    eos_ids, stop_ids = tokenizer.encode("short answer"), tokenizer.encode("one two STOP three")
+    work = EngineWork([[5, 6]], SamplingParams(max_tokens=500, n=2), ("STOP",))
+
+    async def step_once():
+        loop = RecordingLoop()
+        gen = Generation(loop, work, tokenizer, "cmpl")
+        out = RequestOutput(loop.submitted[0], [5, 6], [SampleOutput(eos_ids, None, "stop"),
+                                                         SampleOutput(stop_ids, None, None)], finished=False)
+        return gen, loop, gen._apply(0, out)
+
+    gen, loop, changed = asyncio.run(step_once())
+    assert changed == [0, 1] and loop.ended == loop.submitted  # ended as a stop, freeing its blocks now
+    assert [(c.text, c.finish_reason) for c in gen.choices] == [("short answer", "stop"), ("one two ", "stop")]
 
 
 def test_every_engine_knob_is_a_serve_flag_and_reaches_the_config():

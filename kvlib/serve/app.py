@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kvlib.llm import LLM
 from kvlib.serve import responses
@@ -127,6 +128,8 @@ async def _serve(request: Request, loop: EngineLoop, model: ServedModel, shape: 
         body, work = await asyncio.to_thread(_checked_work, raw, shape, to_work, model)
     except BadRequest as err:
         return _error(err.message, err.status, err.param, err.code)
+    except ClientDisconnect:  # the client left while sending its body: nobody waits for an answer
+        return Response(status_code=CLIENT_GONE)
     if not loop.alive:
         return _error(SHUTTING_DOWN, 503)
     gen = Generation(loop, work, model.tokenizer, "chatcmpl" if chat else "cmpl")

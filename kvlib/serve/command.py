@@ -105,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"kvlib serve: {err}", file=sys.stderr)
         return 2
-    llm = LLM(args.model, config)
+    try:
+        llm = LLM(args.model, config)
+    except (ValueError, OSError) as err:  # a model that is not there, settings this model cannot take
+        print(f"kvlib serve: {err}", file=sys.stderr)
+        return 2
     name = args.served_model_name or served_name(args.model)
     try:
         app = build_app(llm, name, limits)

@@ -52,9 +52,12 @@ class ChoiceText:
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
 
     def finish(self, final_text: Optional[str], reason: Optional[str]) -> None:
-        """The engine finished this sample: its text is the engine's own decode, where it agrees with what was sent."""
+        """The engine finished this sample: its text is the engine's own decode (``final_text``, or, for a sample that
+        ended before the rest of its request, decoded here as the engine would), where it agrees with what was sent."""
         if self.finished:
             return
+        if final_text is None and self.tokenizer is not None:
+            final_text = self.tokenizer.decode(self.token_ids)
         if final_text is not None and final_text.startswith(self.text):
             self._extend(final_text[len(self.text):])
         if not self.finished:
@@ -146,7 +149,7 @@ class Generation:
             if choice.finished:
                 continue
             choice.add(sample.token_ids[len(choice.token_ids):])
-            if out.finished:
+            if out.finished or sample.finish_reason is not None:  # a sample may end (EOS) before its request does
                 choice.finish(sample.text, sample.finish_reason)
             changed.append(index * self.n + j)
         mine = self.choices[index * self.n:(index + 1) * self.n]

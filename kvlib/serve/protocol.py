@@ -77,7 +77,7 @@ class SamplingFields(BaseModel):
     presence_penalty: Any = 0.0
     frequency_penalty: Any = 0.0
 
-    @field_validator("n", "stream", "ignore_eos", "return_token_ids", mode="before")
+    @field_validator("n", "stream", "ignore_eos", "return_token_ids", "max_tokens", mode="before", check_fields=False)
     @classmethod
     def _null_means_the_default(cls, value, info):
         return cls.model_fields[info.field_name].default if value is None else value
@@ -89,7 +89,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    max_tokens: int = 16
 
 
 class ChatMessage(BaseModel):
@@ -132,7 +132,7 @@ def parse_request(body: bytes, shape: type[SamplingFields], limits: Optional[Req
     is checked before the fields are validated, which for 10,000 prompts takes longer than parsing them."""
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # bad JSON, bad UTF-8, an integer of 4,300+ digits, deep nesting
         raise BadRequest(f"the request body is not valid JSON ({err}); send a JSON object such as "
                          f'{{"model": "...", ...}} with Content-Type: application/json', code="invalid_json") from None
     if not isinstance(data, dict):

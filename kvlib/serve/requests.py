@@ -217,6 +217,9 @@ def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optiona
     stops = request.stop_strings
     if len(stops) > MAX_STOP_STRINGS or not all(stops):
         raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {request.stop!r}", param="stop")
+    if stops and model.tokenizer is None:
+        raise BadRequest(f"stop strings are matched in the text, and the model {model.name!r} has no tokenizer to "
+                         f"write text: stop on token ids with stop_token_ids instead", param="stop")
     if len(request.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
         raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}",
                          param="stop_token_ids")
