@@ -87,6 +87,15 @@ def test_chat_applies_the_models_template_as_llm_chat_does(client, oracle):
     assert chunks[-1].finish_reason == expected.finish_reason
 
 
+def test_text_parts_of_a_message_are_its_lines_as_vllm_joins_them(client, oracle):
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "paging?"}]
+    expected = oracle.chat([{"role": "user", "content": "What is\npaging?"}], SamplingParams(max_tokens=8))[0]
+    out = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": parts}], max_tokens=8,
+                                         temperature=0)
+    assert out.choices[0].message.content == expected.text
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
 def test_seeded_samples_match_generate_whatever_else_runs(client, oracle):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, n=3, seed=7)
     expected = oracle.generate(PROMPTS[1], params)[0]

@@ -143,7 +143,7 @@ def _prompt_list(prompt) -> list:
 
 
 def _message_text(content, index: int) -> str:
-    """A message's text: a string, or OpenAI's list of parts of which kvlib reads the text ones."""
+    """A message's text: a string, or OpenAI's list of text parts, one per line (as vLLM joins them)."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -156,7 +156,7 @@ def _message_text(content, index: int) -> str:
                              f'one, as {{"type": "text", "text": "..."}}', param=f"messages.{index}.content.{number}",
                              code="invalid_value")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _prompt_ids(prompt, model: ServedModel, param: str, spent: int = 0) -> list[int]:
