@@ -65,12 +65,13 @@ def made_up_run(costs: dict[int, tuple[float, float]], batch: int = 32, returnin
     ({16: (2.0, 1.0), 64: (2.0, 1.9)}, None),
     ({16: (0.5, 1.0)}, 16),
     ({16: (0.5, None)}, None),  # a recompute not clear of zero is the cheaper way
-    ({16: (0.0, -0.5), 64: (0.0, 1.0)}, 64),  # a swap hidden behind the decode pass costs nothing
+    ({16: (0.0, -0.5), 64: (0.0, 1.0)}, None),  # a swap not clear of 0 decides nothing
+    ({16: (0.0, -0.5), 64: (0.0, 1.0), 256: (0.5, 2.0)}, 256),
 ])
 def test_the_crossover_is_the_smallest_victim_that_swapped_cheaper(costs, first):
     run = made_up_run(costs)
     assert mr.crossover(run) == first
-    expected = {n: mr.HIDDEN if s <= 0 and (r is None or r <= 0) else "swap" if r is not None and s < r
+    expected = {n: (mr.HIDDEN if r is None or r <= 0 else mr.UNDECIDED) if s <= 0 else "swap" if r is not None and s < r
                 else "recompute" for n, (s, r) in costs.items()}
     assert {row["victim tokens"]: row["cheaper"] for row in mr.victim_rows(run)} == expected
 
@@ -88,6 +89,48 @@ def test_the_crossover_sentence_says_what_the_victims_measured():
         "swap was cheaper at no length measured, up to 64 tokens (neither: both hidden at 16; recompute at 64)"
     assert mr.crossover_sentence(made_up_run({16: (1.0, 2.0), 64: (1.0, 3.0)})) == \
         "swap was cheaper at every length measured, 16 to 64 tokens"
+
+
+def test_a_swap_not_clear_of_zero_is_shown_so_and_wins_nothing():
+    """The H200 runs beside a decode batch of 32 recorded swaps of 0 ms (what they added to the pass, floored at 0) at
+    64 and 256 tokens; their rows said "0.00" and "cheaper: swap", though moving 4 to 16 blocks is never free."""
+    run = made_up_run({16: (1.7e-5, 6.9e-4), 64: (0.0, 1.5e-3), 256: (0.0, 6.8e-4), 1024: (1.1e-3, 1.8e-3)})
+    rows = {r["victim tokens"]: r for r in mr.victim_rows(run)}
+    assert rows[64]["swap ms"] == rows[256]["swap ms"] == "not clear of 0"
+    assert rows[64]["cheaper"] == rows[256]["cheaper"] == mr.UNDECIDED
+    assert [rows[n]["cheaper"] for n in (16, 1024)] == ["swap", "swap"]
+    assert mr.crossover_sentence(run) == ("swap was cheaper at every other length measured, 16 to 1,024 tokens; "
+                                          "undecided at 64, 256 tokens, where the swap was not clear of 0")
+    assert mr.decided(run.victims) == [run.victims[0], run.victims[3]]
+    for committed in load_runs():
+        for v, row in zip(committed.victims, mr.victim_rows(committed)):
+            assert v.swap_seconds > 0 or row["cheaper"] in (mr.UNDECIDED, mr.HIDDEN), (committed.name, row)
+
+
+def test_returning_turns_are_labelled_without_a_batch_and_shown_once():
+    """Returning turns are timed alone: two runs of one shape, with and without a decode batch beside their victims,
+    carry the same returning turns, which a lesson showed twice under the two batch labels."""
+    turns = [(256, 1.0, 2.0), (4096, 9.0, 4.0)]
+    alone, beside = made_up_run({16: (1.0, 2.0)}, batch=0, returning=turns), made_up_run({16: (0.5, 2.0)}, returning=turns)
+    assert mr.returning_runs([alone, beside]) == [alone]
+    label = mr.returning_label(beside)
+    assert "batch" not in label and "returning turns alone" in label and beside.device in label and beside.date in label
+    other = made_up_run({16: (1.0, 2.0)}, returning=[(256, 1.0, 3.0)])
+    assert mr.returning_runs([alone, beside, other]) == [alone, other]
+    labels = [mr.returning_label(r) for r in mr.returning_runs(load_runs())]
+    assert len(labels) == len(set(labels)), labels
+
+
+def test_recorded_lines_say_which_way_each_model_went_at_the_lengths_it_decided():
+    swaps = made_up_run({16: (1.0, 2.0), 64: (0.0, 3.0), 4096: (1.0, 9.0)})
+    mixed = mr.MeasuredRun(**{**made_up_run({16: (2.0, 1.0), 1024: (1.0, 2.0)}).__dict__, "model": "default"})
+    assert mr.recorded_lines([swaps, mixed]) == [
+        f"NVIDIA L4, {swaps.model} in bfloat16, blocks of 16, 2026-12-05, victims of 16 to 4,096 tokens, beside a "
+        "decode batch of 32: swap was cheaper at every length decided",
+        "NVIDIA L4, the built-in model in bfloat16, blocks of 16, 2026-12-05, victims of 16 to 1,024 tokens, beside a "
+        "decode batch of 32: swap was cheaper at some lengths, recompute at others"]
+    alone = made_up_run({16: (1.0, 2.0)}, batch=0)
+    assert "tokens, alone and beside a decode batch of 32: swap" in mr.recorded_lines([alone, swaps])[0]
 
 
 def test_victim_rows_carry_the_times_in_milliseconds():

@@ -148,21 +148,35 @@ def on_chip(gpu: str, device: str) -> bool:
 
 
 HIDDEN = "neither: both hidden"  # no cost clear of zero either way, as beside a decode pass that hides them
+UNDECIDED = "undecided: swap not clear of 0"  # a swap no costlier than the decode pass it ran beside
+NOT_CLEAR = "not clear of 0"  # how a table shows a cost that came out at or below zero
 
 
 def cheaper(swap_seconds: float, recompute_seconds: float | None) -> str:
-    """The cheaper way to preempt. A recompute too small to tell from zero (None, or at most 0) costs nothing; so
-    does a swap of 0 (hidden behind the decode pass): with both at nothing, neither is cheaper."""
+    """The cheaper way to preempt. A recompute too small to tell from zero (None, or at most 0) costs nothing. A swap
+    timed beside a decode pass is what it added to the pass, floored at 0: a swap of 0 is not clear of the pass's
+    noise, so it decides nothing (moving blocks over a host link is never free); with both at nothing, neither is
+    cheaper."""
     recompute = 0.0 if recompute_seconds is None else max(recompute_seconds, 0.0)
-    if swap_seconds <= 0 and recompute == 0:
-        return HIDDEN
+    if swap_seconds <= 0:
+        return HIDDEN if recompute == 0 else UNDECIDED
     return "swap" if swap_seconds < recompute else "recompute"
+
+
+def decided(victims: list[VictimTiming]) -> list[VictimTiming]:
+    """The victims whose timings name a cheaper way: swap or recompute, not undecided nor both hidden."""
+    return [v for v in victims if cheaper(v.swap_seconds, v.recompute_seconds) in ("swap", "recompute")]
+
+
+def shown_ms(seconds: float | None) -> float | str:
+    """A cost in milliseconds for a table, or "not clear of 0" where it came out at or below zero (or None)."""
+    return NOT_CLEAR if seconds is None or seconds <= 0 else seconds * 1e3
 
 
 def victim_rows(run: MeasuredRun) -> list[dict]:
     """One row per victim the run preempted both ways: what each way cost, and which was cheaper."""
-    return [{"victim tokens": v.num_tokens, "swap ms": v.swap_seconds * 1e3,
-             "recompute ms": None if v.recompute_seconds is None else v.recompute_seconds * 1e3,
+    return [{"victim tokens": v.num_tokens, "swap ms": shown_ms(v.swap_seconds),
+             "recompute ms": shown_ms(v.recompute_seconds),
              "cheaper": cheaper(v.swap_seconds, v.recompute_seconds)} for v in run.victims]
 
 
@@ -181,16 +195,28 @@ def at_lengths(victims: list[VictimTiming]) -> str:
 
 
 def crossover_sentence(run: MeasuredRun) -> str:
-    """What the measured victims say about swap or recompute, from their numbers, never typed by hand."""
+    """What the measured victims say about swap or recompute, from their numbers, never typed by hand. Lengths where
+    the swap was not clear of 0 decide nothing: the sentence is about the others and names those apart."""
     victims = sorted(run.victims, key=lambda v: v.num_tokens)
     if not victims:
         return "no victims measured"
-    first, longest = crossover(run), victims[-1].num_tokens
+    undecided = [v for v in victims if cheaper(v.swap_seconds, v.recompute_seconds) == UNDECIDED]
+    rest = [v for v in victims if v not in undecided]
+    if not undecided:
+        return _sentence(victims)
+    lengths = ", ".join(f"{v.num_tokens:,}" for v in undecided)
+    apart = f"undecided at {lengths} tokens, where the swap was not clear of 0"
+    return f"{_sentence(rest, 'every other length measured')}; {apart}" if rest else apart
+
+
+def _sentence(victims: list[VictimTiming], every: str = "every length measured") -> str:
+    first, longest = next((v.num_tokens for v in victims
+                           if cheaper(v.swap_seconds, v.recompute_seconds) == "swap"), None), victims[-1].num_tokens
     ways = [cheaper(v.swap_seconds, v.recompute_seconds) for v in victims]
     if first is None:
         if set(ways) == {"recompute"}:
-            return f"recompute was cheaper at every length measured, up to {longest:,} tokens"
-        return f"swap was cheaper at no length measured, up to {longest:,} tokens ({at_lengths(victims)})"
+            return f"recompute was cheaper at {every}, up to {longest:,} tokens"
+        return f"swap was cheaper at no{every.removeprefix('every')}, up to {longest:,} tokens ({at_lengths(victims)})"
     below = [v for v in victims if v.num_tokens < first]
     after = [v for v in victims if v.num_tokens > first]
     if any(cheaper(v.swap_seconds, v.recompute_seconds) != "swap" for v in after):
@@ -198,10 +224,31 @@ def crossover_sentence(run: MeasuredRun) -> str:
     swapped = (f"swap from {first:,} up to {longest:,} tokens, the longest measured" if first != longest
                else f"swap at {first:,} tokens, the longest measured")
     if not below:
-        return f"swap was cheaper at every length measured, {first:,} to {longest:,} tokens"
+        return f"swap was cheaper at {every}, {first:,} to {longest:,} tokens"
     if all(cheaper(v.swap_seconds, v.recompute_seconds) == "recompute" for v in below):
         return f"recompute was cheaper below {first:,} tokens, {swapped}"
     return f"{swapped}; below that, {at_lengths(below)}"
+
+
+def recorded_lines(runs: list[MeasuredRun]) -> list[str]:
+    """One line per device, model and date: which way its victims (alone and beside any decode batch) were cheaper
+    at the lengths they decided, from the recorded timings. Lesson 06 prints these beside its CPU verdict."""
+    groups: dict[tuple[str, str, str, int, str], list[VictimTiming]] = {}
+    batches: dict[tuple[str, str, str, int, str], list[str]] = {}
+    for run in runs:
+        key = (run.device, model_name(run.model), run.dtype, run.block_size, run.date)
+        groups.setdefault(key, []).extend(run.victims)
+        batches.setdefault(key, []).append(f"a decode batch of {run.batch}" if run.batch else "alone")
+    lines = []
+    for (device, model, dtype, block_size, date), victims in groups.items():
+        lengths = sorted({v.num_tokens for v in victims})
+        where = " and ".join(b if b == "alone" else f"beside {b}" for b in batches[device, model, dtype, block_size, date])
+        ways = {cheaper(v.swap_seconds, v.recompute_seconds) for v in decided(victims)}
+        said = (f"{ways.pop()} was cheaper at every length decided" if len(ways) == 1 else
+                "swap was cheaper at some lengths, recompute at others" if ways else "no length was decided")
+        lines.append(f"{device}, {model} in {dtype}, blocks of {block_size}, {date}, victims of {lengths[0]:,} to "
+                     f"{lengths[-1]:,} tokens, {where}: {said}")
+    return lines
 
 
 def victim_ratios(run: MeasuredRun) -> list[tuple[int, float]]:
@@ -217,6 +264,26 @@ def returning_rows(run: MeasuredRun) -> list[dict]:
              "copy back ms": t.copy_back_seconds * 1e3,
              "cheaper": "copy back" if t.copy_back_seconds < t.recompute_seconds else "recompute"}
             for t in run.returning]
+
+
+def returning_label(run: MeasuredRun) -> str:
+    """Device, shape and date of a run's returning turns. They are timed alone, each turn with no decode batch beside
+    it, so unlike a victim's label this one names no batch size."""
+    return (f"{run.device}, {model_name(run.model)} in {run.dtype}, blocks of {run.block_size}, {run.date}, "
+            f"returning turns alone")
+
+
+def returning_runs(runs: list[MeasuredRun]) -> list[MeasuredRun]:
+    """The runs with returning turns, each set of timings once: two runs of one shape (one with victims beside a
+    decode batch, one without) carry the same returning turns and the same probe, which a lesson shows once."""
+    seen, kept = set(), []
+    for run in runs:
+        key = (returning_label(run), run.block_bytes, run.new_tokens, json.dumps(asdict(run.cost_model)),
+               tuple((t.context, t.recompute_seconds, t.copy_back_seconds) for t in run.returning))
+        if run.returning and key not in seen:
+            seen.add(key)
+            kept.append(run)
+    return kept
 
 
 def returning_sentence(run: MeasuredRun) -> str:
@@ -371,7 +438,7 @@ def gpu_markdown(path: Path = RUNS_PATH) -> str:
     for run in runs:
         parts += ["", f"### Victims both ways: {run_label(run)}", "", markdown_table(victim_rows(run)), "",
                   f"Measured: {crossover_sentence(run)}."]
-        if run.returning:
-            parts += ["", markdown_table(returning_rows(run)), "",
-                      f"Returning turns of {run.new_tokens} new tokens: {returning_sentence(run)}."]
+    for run in returning_runs(runs):
+        parts += ["", f"### Returning turns both ways: {returning_label(run)}", "", markdown_table(returning_rows(run)),
+                  "", f"Returning turns of {run.new_tokens} new tokens: {returning_sentence(run)}."]
     return "\n".join(parts) + "\n"

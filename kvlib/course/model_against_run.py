@@ -16,7 +16,7 @@ import torch
 from kvlib.cli.gpu_shapes import SHAPES
 from kvlib.core.cost_model import PreemptionCostModel
 from kvlib.course.gpu_profiles import GPUProfile, ModelShape
-from kvlib.course.measured_runs import HIDDEN, MeasuredRun, cheaper, on_chip
+from kvlib.course.measured_runs import MeasuredRun, cheaper, decided, on_chip
 from kvlib.model.config import ModelConfig
 from kvlib.model.default import DEFAULT_MODEL_PATH
 
@@ -50,12 +50,12 @@ def run_shape(run: MeasuredRun) -> ModelShape | None:
 
 
 def picks(cost: PreemptionCostModel, run: MeasuredRun) -> tuple[int, int]:
-    """``(agreed, decided)``: of the run's victims with a measured winner (both hidden: none), at how many the
-    cost model picks the same way."""
-    decided = [v for v in run.victims if cheaper(v.swap_seconds, v.recompute_seconds) != HIDDEN]
+    """``(agreed, decided)``: of the run's victims with a measured winner (none where both were hidden or the swap
+    was not clear of 0), at how many the cost model picks the same way."""
+    winners = decided(run.victims)
     agreed = sum(cost.choose(v.num_blocks, run.block_bytes, v.num_tokens, run.batch)
-                 == cheaper(v.swap_seconds, v.recompute_seconds) for v in decided)
-    return agreed, len(decided)
+                 == cheaper(v.swap_seconds, v.recompute_seconds) for v in winners)
+    return agreed, len(winners)
 
 
 @dataclass(frozen=True)
