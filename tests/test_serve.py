@@ -160,6 +160,14 @@ BAD = [  # (what is wrong, request body, the param the error names)
 ]
 
 
+CODES = {  # OpenAI's error code, where a client may branch on it
+    "unknown model": "model_not_found", "misspelt field": "unknown_parameter", "no prompt": "missing_required_parameter",
+    "token id outside the vocabulary": "invalid_token_id", "stop token id outside the vocabulary": "invalid_token_id",
+    "unsupported logprobs": "unsupported_parameter", "max_tokens as a string": "invalid_type",
+    "max_tokens beyond the context": "context_length_exceeded", "chat with an image": "unsupported_content",
+}
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("what, body, param", BAD, ids=[b[0] for b in BAD])
 def test_a_bad_request_gets_openais_error_shape_and_the_server_keeps_serving(server, client, oracle, what, body,
@@ -170,6 +178,7 @@ def test_a_bad_request_gets_openais_error_shape_and_the_server_keeps_serving(ser
     error = reply.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert error["code"] == CODES.get(what, error["code"])
     with pytest.raises(openai.BadRequestError):
         client.post(f"/{route}", cast_to=object, body={**body, "stream": stream})
     assert client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, temperature=0).choices[0].text == \
@@ -278,4 +287,4 @@ def test_stream_options_without_streaming_is_refused(server):
     reply = httpx.post(f"{server.url}/v1/completions",
                        json={"model": NAME, "prompt": "Hi", "stream_options": {"include_usage": True}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options"
-    assert "send stream: true" in reply.json()["error"]["message"]
+    assert "send stream: true" in reply.json()["error"]["message"] and reply.json()["error"]["code"] == "invalid_value"
