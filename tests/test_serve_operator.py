@@ -544,3 +544,16 @@ def test_stop_strings_on_a_model_without_a_tokenizer_are_refused_naming_stop_tok
     assert refused.value.param == "stop"
     ids_only = CompletionRequest.model_validate({"model": "ids-only", "prompt": [1, 2, 3], "stop_token_ids": [7]})
     assert completion_work(ids_only, model).params.stop_token_ids == [7]
+
+
+def test_a_request_built_in_code_meets_the_prompt_limit_too():
+    """``parse_request`` counts prompts before validating; ``completion_work`` counts again for a request that never
+    went through it (built in code, as lesson 10 and the tests build them)."""
+    from kvlib.serve.protocol import BadRequest, CompletionRequest
+    from kvlib.serve.requests import ServedModel, completion_work
+    model = ServedModel("ids-only", max_model_len=64, max_num_seqs=4, vocab_size=100, tokenizer=None,
+                        limits=RequestLimits(max_prompts=2))
+    request = CompletionRequest.model_validate({"model": "ids-only", "prompt": [[1], [2], [3]]})
+    with pytest.raises(BadRequest, match="3 prompts") as refused:
+        completion_work(request, model)
+    assert refused.value.code == "too_many_prompts"
