@@ -203,20 +203,21 @@ def crossover_sentence(run: MeasuredRun) -> str:
     undecided = [v for v in victims if cheaper(v.swap_seconds, v.recompute_seconds) == UNDECIDED]
     rest = [v for v in victims if v not in undecided]
     if not undecided:
-        return _sentence(victims)
+        return _sentence(victims, "length measured")
     lengths = ", ".join(f"{v.num_tokens:,}" for v in undecided)
     apart = f"undecided at {lengths} tokens, where the swap was not clear of 0"
-    return f"{_sentence(rest, 'every other length measured')}; {apart}" if rest else apart
+    return f"{_sentence(rest, 'other length measured')}; {apart}" if rest else apart
 
 
-def _sentence(victims: list[VictimTiming], every: str = "every length measured") -> str:
+def _sentence(victims: list[VictimTiming], lengths: str) -> str:
+    """The crossover sentence over ``victims`` (sorted, each decided or hidden), ``lengths`` naming what they are."""
     first, longest = next((v.num_tokens for v in victims
                            if cheaper(v.swap_seconds, v.recompute_seconds) == "swap"), None), victims[-1].num_tokens
     ways = [cheaper(v.swap_seconds, v.recompute_seconds) for v in victims]
     if first is None:
         if set(ways) == {"recompute"}:
-            return f"recompute was cheaper at {every}, up to {longest:,} tokens"
-        return f"swap was cheaper at no{every.removeprefix('every')}, up to {longest:,} tokens ({at_lengths(victims)})"
+            return f"recompute was cheaper at every {lengths}, up to {longest:,} tokens"
+        return f"swap was cheaper at no {lengths}, up to {longest:,} tokens ({at_lengths(victims)})"
     below = [v for v in victims if v.num_tokens < first]
     after = [v for v in victims if v.num_tokens > first]
     if any(cheaper(v.swap_seconds, v.recompute_seconds) != "swap" for v in after):
@@ -224,7 +225,7 @@ def _sentence(victims: list[VictimTiming], every: str = "every length measured")
     swapped = (f"swap from {first:,} up to {longest:,} tokens, the longest measured" if first != longest
                else f"swap at {first:,} tokens, the longest measured")
     if not below:
-        return f"swap was cheaper at {every}, {first:,} to {longest:,} tokens"
+        return f"swap was cheaper at every {lengths}, {first:,} to {longest:,} tokens"
     if all(cheaper(v.swap_seconds, v.recompute_seconds) == "recompute" for v in below):
         return f"recompute was cheaper below {first:,} tokens, {swapped}"
     return f"{swapped}; below that, {at_lengths(below)}"
@@ -233,16 +234,14 @@ def _sentence(victims: list[VictimTiming], every: str = "every length measured")
 def recorded_lines(runs: list[MeasuredRun]) -> list[str]:
     """One line per device, model and date: which way its victims (alone and beside any decode batch) were cheaper
     at the lengths they decided, from the recorded timings. Lesson 06 prints these beside its CPU verdict."""
-    groups: dict[tuple[str, str, str, int, str], list[VictimTiming]] = {}
-    batches: dict[tuple[str, str, str, int, str], list[str]] = {}
+    groups: dict[tuple[str, str, str, int, str], list[MeasuredRun]] = {}
     for run in runs:
-        key = (run.device, model_name(run.model), run.dtype, run.block_size, run.date)
-        groups.setdefault(key, []).extend(run.victims)
-        batches.setdefault(key, []).append(f"a decode batch of {run.batch}" if run.batch else "alone")
+        groups.setdefault((run.device, model_name(run.model), run.dtype, run.block_size, run.date), []).append(run)
     lines = []
-    for (device, model, dtype, block_size, date), victims in groups.items():
+    for (device, model, dtype, block_size, date), group in groups.items():
+        victims = [v for run in group for v in run.victims]
         lengths = sorted({v.num_tokens for v in victims})
-        where = " and ".join(b if b == "alone" else f"beside {b}" for b in batches[device, model, dtype, block_size, date])
+        where = " and ".join(f"beside a decode batch of {run.batch}" if run.batch else "alone" for run in group)
         ways = {cheaper(v.swap_seconds, v.recompute_seconds) for v in decided(victims)}
         said = (f"{ways.pop()} was cheaper at every length decided" if len(ways) == 1 else
                 "swap was cheaper at some lengths, recompute at others" if ways else "no length was decided")

@@ -176,10 +176,8 @@ class EngineLoop:
                 adds += 1
                 if self._add(*command[1:]):
                     added.append(command[1])
-            elif kind == "abort":
-                self._abort(command[1])
-            elif kind == "stopped":
-                self._end_stopped(command[1])
+            elif kind in ("abort", "stopped"):
+                self._abort(command[1], stopped=kind == "stopped")
             elif kind == "probe":
                 self._probes.append(command[1])
             else:
@@ -212,20 +210,17 @@ class EngineLoop:
         self._live[request_id] = _Live(sink, time.perf_counter())
         return True
 
-    def _abort(self, request_id: str) -> None:
-        if self._live.pop(request_id, None) is None:
-            return
-        self.llm.engine.abort_request(request_id)
-        self._observe_engine()
-
-    def _end_stopped(self, request_id: str) -> None:
+    def _abort(self, request_id: str, stopped: bool = False) -> None:
+        """Abort a live request; ``stopped``: it met its stop strings, so it counts as finished (``stop``), not aborted.
+        A request no longer live was finished by the engine first (its own reason counted) or already aborted."""
         live = self._live.pop(request_id, None)
-        if live is None:  # the engine finished it first (its own reason counted), or the client left
+        if live is None:
             return
         aborted = self.llm.metrics.num_aborted
         self.llm.engine.abort_request(request_id)
-        self.observer.uncounted({"num_aborted": self.llm.metrics.num_aborted - aborted})
-        self.observer.finished(time.perf_counter() - live.submitted, "stop")
+        if stopped:
+            self.observer.uncounted({"num_aborted": self.llm.metrics.num_aborted - aborted})
+            self.observer.finished(time.perf_counter() - live.submitted, "stop")
         self._observe_engine()
 
     def _probe_alone(self) -> None:

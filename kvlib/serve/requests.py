@@ -124,10 +124,10 @@ def chat_work(request: ChatCompletionRequest, model: ServedModel) -> EngineWork:
         prompt = model.encode_chat(messages)
     except Exception as err:  # a template may raise anything (raise_exception, a missing key)
         raise BadRequest(f"the chat template refused these messages: {err}", param="messages") from None
+    prompts = [_prompt_ids(prompt, model, "messages")]
     if request.max_completion_tokens is not None:
-        return _work(request, [_prompt_ids(prompt, model, "messages")], request.max_completion_tokens, model,
-                     max_tokens_name="max_completion_tokens")
-    return _work(request, [_prompt_ids(prompt, model, "messages")], request.max_tokens, model)
+        return _work(request, prompts, request.max_completion_tokens, model, max_tokens_name="max_completion_tokens")
+    return _work(request, prompts, request.max_tokens, model)
 
 
 def _check_model(request: SamplingFields, model: ServedModel) -> None:
@@ -177,11 +177,16 @@ def _prompt_ids(prompt, model: ServedModel, param: str, spent: int = 0) -> list[
                          f"tokens in one request (kvlib serve {LIMIT_FLAGS['max_prompt_tokens']}): send fewer or "
                          f"shorter prompts, or split them over several requests", param=param.split("[")[0],
                          code="too_many_prompt_tokens")
-    bad = [t for t in prompt if not 0 <= t < model.vocab_size]
-    if bad:
-        raise BadRequest(f"{param} holds token id {bad[0]}, outside the model's vocabulary of {model.vocab_size} "
-                         f"(ids 0 to {model.vocab_size - 1})", param=param, code="invalid_token_id")
+    _check_vocabulary(prompt, model, param)
     return list(prompt)
+
+
+def _check_vocabulary(token_ids, model: ServedModel, param: str, why: str = "") -> None:
+    """:class:`BadRequest` naming the first of ``token_ids`` outside the model's vocabulary, if one is."""
+    bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise BadRequest(f"{param} holds token id {bad}, outside the model's vocabulary of {model.vocab_size} "
+                         f"(ids 0 to {model.vocab_size - 1}){why}", param=param, code="invalid_token_id")
 
 
 def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optional[int], model: ServedModel,
@@ -223,11 +228,7 @@ def _work(request: SamplingFields, prompts: list[list[int]], max_tokens: Optiona
     if len(request.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
         raise BadRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(request.stop_token_ids)}",
                          param="stop_token_ids")
-    outside = [t for t in request.stop_token_ids or () if not 0 <= t < model.vocab_size]
-    if outside:
-        raise BadRequest(f"stop_token_ids holds {outside[0]}, outside the model's vocabulary of {model.vocab_size} "
-                         f"(ids 0 to {model.vocab_size - 1}): the model can never produce it", param="stop_token_ids",
-                         code="invalid_token_id")
+    _check_vocabulary(request.stop_token_ids or (), model, "stop_token_ids", ": the model can never produce it")
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=request.n,
                                 seed=request.seed, stop_token_ids=list(request.stop_token_ids or []),
