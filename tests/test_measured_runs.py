@@ -99,7 +99,7 @@ def test_a_swap_not_clear_of_zero_is_shown_so_and_wins_nothing():
     assert rows[64]["swap ms"] == rows[256]["swap ms"] == "not clear of 0"
     assert rows[64]["cheaper"] == rows[256]["cheaper"] == mr.UNDECIDED
     assert [rows[n]["cheaper"] for n in (16, 1024)] == ["swap", "swap"]
-    assert mr.crossover_sentence(run) == ("swap was cheaper at every other length measured, 16 to 1,024 tokens; "
+    assert mr.crossover_sentence(run) == ("swap was cheaper at every decided length, 16 to 1,024 tokens; "
                                           "undecided at 64, 256 tokens, where the swap was not clear of 0")
     assert mr.decided(run.victims) == [run.victims[0], run.victims[3]]
     for committed in load_runs():

@@ -206,7 +206,7 @@ def crossover_sentence(run: MeasuredRun) -> str:
         return _sentence(victims, "length measured")
     lengths = ", ".join(f"{v.num_tokens:,}" for v in undecided)
     apart = f"undecided at {lengths} tokens, where the swap was not clear of 0"
-    return f"{_sentence(rest, 'other length measured')}; {apart}" if rest else apart
+    return f"{_sentence(rest, 'decided length')}; {apart}" if rest else apart
 
 
 def _sentence(victims: list[VictimTiming], lengths: str) -> str:
