@@ -147,6 +147,25 @@ def test_victims_are_timed_both_ways(tiny):
     assert all(v.swap_seconds > 0 for v in victims)
 
 
+def test_a_victim_beside_a_decode_batch_is_judged_against_the_spread_of_identical_passes(tiny, monkeypatch):
+    """The decode pass alone is timed three times in turns: the least is what a victim's additions are taken from,
+    and the spread of the three is the noise a swap or recompute must clear (it was not measured before)."""
+    from kvlib.runner import cost_probe
+    timed = []
+
+    def bests(fns, device, repeats, min_seconds):
+        timed.append(len(fns))
+        passes = [1.000, 1.030, 1.010][:len(fns) - 4]
+        return passes + [1.020, 1.500, 1.200, 2.000]  # per victim: swap (with the pass between), pass with it
+    monkeypatch.setattr(cost_probe, "best_in_turns", bests)
+    short, long = cost_probe.time_victims(tiny, [16, 64], batch=2, swap_beside=True)
+    assert timed == [3 + 4]
+    assert [short.swap_seconds, short.recompute_seconds, short.noise_seconds] == pytest.approx([0.02, 0.5, 0.03])
+    assert [long.swap_seconds, long.noise_seconds] == pytest.approx([0.2, 0.03])
+    alone, _ = cost_probe.time_victims(tiny, [16, 64], batch=0)
+    assert timed[-1] == 1 + 4 and alone.noise_seconds == 0.0 and alone.swap_seconds == pytest.approx(1.02)
+
+
 def test_a_victim_alone_is_its_own_prefill_and_a_swap_beside_decode_runs_the_batch_between_its_copies(tiny, monkeypatch):
     from kvlib.runner import cost_probe
     calls = cost_probe.victim_calls(tiny, 40, batch=0)

@@ -206,11 +206,11 @@ class TestLesson07(LessonRuns):
             profile, shape = profile_for(run, profiles), run_shape(run)
             if profile is None or shape is None:
                 continue
-            decided = [v for v in run.victims if mr.cheaper(v.swap_seconds, v.recompute_seconds) in ("swap", "recompute")]
+            decided = [v for v in run.victims if mr.way(v) in ("swap", "recompute")]
 
             def agreed(cost: PreemptionCostModel) -> int:
                 return sum(cost.choose(v.num_blocks, run.block_bytes, v.num_tokens, run.batch)
-                           == mr.cheaper(v.swap_seconds, v.recompute_seconds) for v in decided)
+                           == mr.way(v) for v in decided)
             modelled, label = profile.cost_model(shape, assumptions), mr.run_label(run)
             expected_picks[label] = [agreed(modelled), len(decided)]
             expected_terms[label] = [

@@ -2,7 +2,7 @@
 tables lessons and BENCHMARKS.md show from the file say what it holds."""
 import json
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -105,6 +105,27 @@ def test_a_swap_not_clear_of_zero_is_shown_so_and_wins_nothing():
     for committed in load_runs():
         for v, row in zip(committed.victims, mr.victim_rows(committed)):
             assert v.swap_seconds > 0 or row["cheaper"] in (mr.UNDECIDED, mr.HIDDEN), (committed.name, row)
+
+
+def test_a_cost_within_the_noise_of_identical_decode_passes_is_not_clear_of_zero():
+    """The H200 runs beside a decode batch of 32 counted 16-token swaps of 0.017 ms as wins with no noise figure to
+    say whether they were clear of it. A run that records how far identical passes differed (``noise_seconds``)
+    decides nothing with a swap inside it, and prices a recompute inside it at nothing."""
+    run = made_up_run({16: (1.7e-5, 6.9e-4), 64: (4e-5, 3e-5), 1024: (1.1e-3, 1.8e-3)})
+    run.victims = [replace(v, noise_seconds=5e-5) for v in run.victims]
+    rows = {r["victim tokens"]: r for r in mr.victim_rows(run)}
+    assert rows[16]["swap ms"] == "not clear of 0" and rows[16]["cheaper"] == mr.UNDECIDED
+    assert rows[64]["recompute ms"] == "not clear of 0" and rows[64]["cheaper"] == mr.HIDDEN
+    assert rows[1024]["cheaper"] == "swap" and rows[1024]["swap ms"] == pytest.approx(1.1)
+    assert mr.crossover(run) == 1024 and mr.decided(run.victims) == [run.victims[2]]
+    assert mr.victim_ratios(run) == [(1024, pytest.approx(1.8 / 1.1))]
+    assert mr.crossover_sentence(run) == ("swap at 1,024 tokens, the longest measured; below that, neither: both "
+                                          "hidden at 64; undecided at 16 tokens, where the swap was not clear of 0")
+    raw = asdict(run)
+    assert mr.MeasuredRun.from_dict(raw) == run
+    for victim in raw["victims"]:
+        del victim["noise_seconds"]  # a run recorded before the noise was: judged against 0, as it was
+    assert [mr.way(v) for v in mr.MeasuredRun.from_dict(raw).victims] == ["swap", "recompute", "swap"]
 
 
 def test_returning_turns_are_labelled_without_a_batch_and_shown_once():

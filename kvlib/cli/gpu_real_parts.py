@@ -5,7 +5,8 @@ shapes (:mod:`kvlib.cli.gpu_shapes`), written on the device, then measured as a 
   weights, in float32 (equal, or a bug) and in bfloat16 (the share that agrees, for the record);
 - ``crossover``: victims from 16 to 16,384 tokens preempted both ways for real, alone and beside a
   decode batch, per shape: the seed lesson's "moderate prompts favour recomputation, very long
-  contexts favour swapping" as measured numbers, kept as runs lessons 07 and 09 show;
+  contexts favour swapping" as measured numbers, kept as runs lessons 07 and 09 show; beside the
+  batch, each victim carries the spread of identical decode passes, and a cost within it decides nothing;
 - ``real-engine``: kvlib (decode graphs on and off) against transformers' strongest batching at the
   same KV slots and dtype on a ShareGPT-like mix: output tok/s, TTFT and inter-token p50/p99;
 - ``preemption``: one oversubscribed workload through recompute, swap, auto and partial preemption

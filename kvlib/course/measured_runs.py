@@ -152,45 +152,49 @@ UNDECIDED = "undecided: swap not clear of 0"  # a swap no costlier than the deco
 NOT_CLEAR = "not clear of 0"  # how a table shows a cost that came out at or below zero
 
 
-def cheaper(swap_seconds: float, recompute_seconds: float | None) -> str:
-    """The cheaper way to preempt. A recompute too small to tell from zero (None, or at most 0) costs nothing. A swap
-    timed beside a decode pass is what it added to the pass, floored at 0: a swap of 0 is not clear of the pass's
-    noise, so it decides nothing (moving blocks over a host link is never free); with both at nothing, neither is
-    cheaper."""
-    recompute = 0.0 if recompute_seconds is None else max(recompute_seconds, 0.0)
-    if swap_seconds <= 0:
+def cheaper(swap_seconds: float, recompute_seconds: float | None, noise_seconds: float = 0.0) -> str:
+    """The cheaper way to preempt. A recompute too small to tell from zero (None, or at most the noise: what identical
+    decode passes differed by) costs nothing. A swap timed beside a decode pass is what it added to the pass, floored
+    at 0: a swap at most the noise is not clear of 0, so it decides nothing (moving blocks over a host link is never
+    free); with both at nothing, neither is cheaper."""
+    recompute = 0.0 if recompute_seconds is None or recompute_seconds <= noise_seconds else recompute_seconds
+    if swap_seconds <= noise_seconds:
         return HIDDEN if recompute == 0 else UNDECIDED
     return "swap" if swap_seconds < recompute else "recompute"
 
 
+def way(victim: VictimTiming) -> str:
+    """The cheaper way to preempt ``victim``, judged against the noise of the run that timed it."""
+    return cheaper(victim.swap_seconds, victim.recompute_seconds, victim.noise_seconds)
+
+
 def decided(victims: list[VictimTiming]) -> list[VictimTiming]:
     """The victims whose timings name a cheaper way: swap or recompute, not undecided nor both hidden."""
-    return [v for v in victims if cheaper(v.swap_seconds, v.recompute_seconds) in ("swap", "recompute")]
+    return [v for v in victims if way(v) in ("swap", "recompute")]
 
 
-def shown_ms(seconds: float | None) -> float | str:
-    """A cost in milliseconds for a table, or "not clear of 0" where it came out at or below zero (or None)."""
-    return NOT_CLEAR if seconds is None or seconds <= 0 else seconds * 1e3
+def shown_ms(seconds: float | None, noise_seconds: float = 0.0) -> float | str:
+    """A cost in milliseconds for a table, or "not clear of 0" where it came out at or below the noise (or None)."""
+    return NOT_CLEAR if seconds is None or seconds <= max(noise_seconds, 0.0) else seconds * 1e3
 
 
 def victim_rows(run: MeasuredRun) -> list[dict]:
     """One row per victim the run preempted both ways: what each way cost, and which was cheaper."""
-    return [{"victim tokens": v.num_tokens, "swap ms": shown_ms(v.swap_seconds),
-             "recompute ms": shown_ms(v.recompute_seconds),
-             "cheaper": cheaper(v.swap_seconds, v.recompute_seconds)} for v in run.victims]
+    return [{"victim tokens": v.num_tokens, "swap ms": shown_ms(v.swap_seconds, v.noise_seconds),
+             "recompute ms": shown_ms(v.recompute_seconds, v.noise_seconds), "cheaper": way(v)} for v in run.victims]
 
 
 def crossover(run: MeasuredRun) -> int | None:
     """The smallest victim (tokens) that swapping preempted more cheaply than recomputing; None if none."""
     return next((v.num_tokens for v in sorted(run.victims, key=lambda v: v.num_tokens)
-                 if cheaper(v.swap_seconds, v.recompute_seconds) == "swap"), None)
+                 if way(v) == "swap"), None)
 
 
 def at_lengths(victims: list[VictimTiming]) -> str:
     """``"recompute at 16, 64; neither: both hidden at 256"``: which way won at which lengths, in order."""
     groups: dict[str, list[str]] = {}
     for v in victims:
-        groups.setdefault(cheaper(v.swap_seconds, v.recompute_seconds), []).append(f"{v.num_tokens:,}")
+        groups.setdefault(way(v), []).append(f"{v.num_tokens:,}")
     return "; ".join(f"{way} at {', '.join(lengths)}" for way, lengths in groups.items())
 
 
@@ -200,7 +204,7 @@ def crossover_sentence(run: MeasuredRun) -> str:
     victims = sorted(run.victims, key=lambda v: v.num_tokens)
     if not victims:
         return "no victims measured"
-    undecided = [v for v in victims if cheaper(v.swap_seconds, v.recompute_seconds) == UNDECIDED]
+    undecided = [v for v in victims if way(v) == UNDECIDED]
     rest = [v for v in victims if v not in undecided]
     if not undecided:
         return _sentence(victims, "length measured")
@@ -212,21 +216,21 @@ def crossover_sentence(run: MeasuredRun) -> str:
 def _sentence(victims: list[VictimTiming], lengths: str) -> str:
     """The crossover sentence over ``victims`` (sorted, each decided or hidden), ``lengths`` naming what they are."""
     first, longest = next((v.num_tokens for v in victims
-                           if cheaper(v.swap_seconds, v.recompute_seconds) == "swap"), None), victims[-1].num_tokens
-    ways = [cheaper(v.swap_seconds, v.recompute_seconds) for v in victims]
+                           if way(v) == "swap"), None), victims[-1].num_tokens
+    ways = [way(v) for v in victims]
     if first is None:
         if set(ways) == {"recompute"}:
             return f"recompute was cheaper at every {lengths}, up to {longest:,} tokens"
         return f"swap was cheaper at no {lengths}, up to {longest:,} tokens ({at_lengths(victims)})"
     below = [v for v in victims if v.num_tokens < first]
     after = [v for v in victims if v.num_tokens > first]
-    if any(cheaper(v.swap_seconds, v.recompute_seconds) != "swap" for v in after):
+    if any(way(v) != "swap" for v in after):
         return f"swap was first cheaper at {first:,} tokens, but not at every longer one ({at_lengths(after)})"
     swapped = (f"swap from {first:,} up to {longest:,} tokens, the longest measured" if first != longest
                else f"swap at {first:,} tokens, the longest measured")
     if not below:
         return f"swap was cheaper at every {lengths}, {first:,} to {longest:,} tokens"
-    if all(cheaper(v.swap_seconds, v.recompute_seconds) == "recompute" for v in below):
+    if all(way(v) == "recompute" for v in below):
         return f"recompute was cheaper below {first:,} tokens, {swapped}"
     return f"{swapped}; below that, {at_lengths(below)}"
 
@@ -242,7 +246,7 @@ def recorded_lines(runs: list[MeasuredRun]) -> list[str]:
         victims = [v for run in group for v in run.victims]
         lengths = sorted({v.num_tokens for v in victims})
         where = " and ".join(f"beside a decode batch of {run.batch}" if run.batch else "alone" for run in group)
-        ways = {cheaper(v.swap_seconds, v.recompute_seconds) for v in decided(victims)}
+        ways = {way(v) for v in decided(victims)}
         said = (f"{ways.pop()} was cheaper at every length decided" if len(ways) == 1 else
                 "swap was cheaper at some lengths, recompute at others" if ways else "no length was decided")
         lines.append(f"{device}, {model} in {dtype}, blocks of {block_size}, {date}, victims of {lengths[0]:,} to "
@@ -251,10 +255,10 @@ def recorded_lines(runs: list[MeasuredRun]) -> list[str]:
 
 
 def victim_ratios(run: MeasuredRun) -> list[tuple[int, float]]:
-    """``(tokens, recompute / swap)`` per victim, for a log plot: victims with a cost of 0 either way (a swap hidden
-    behind the decode pass, a recompute not clear of zero) have no ratio to plot and are left out."""
+    """``(tokens, recompute / swap)`` per victim, for a log plot: victims with a cost not clear of 0 either way (a
+    swap hidden behind the decode pass, a recompute within the noise) have no ratio to plot and are left out."""
     return [(v.num_tokens, v.recompute_seconds / v.swap_seconds) for v in run.victims
-            if v.swap_seconds > 0 and v.recompute_seconds is not None and v.recompute_seconds > 0]
+            if NOT_CLEAR not in (shown_ms(v.swap_seconds, v.noise_seconds), shown_ms(v.recompute_seconds, v.noise_seconds))]
 
 
 def returning_rows(run: MeasuredRun) -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 from kvlib.cli.gpu_shapes import SHAPES
 from kvlib.core.cost_model import PreemptionCostModel
 from kvlib.course.gpu_profiles import GPUProfile, ModelShape
-from kvlib.course.measured_runs import MeasuredRun, cheaper, decided, on_chip
+from kvlib.course.measured_runs import MeasuredRun, decided, on_chip, way
 from kvlib.model.config import ModelConfig
 from kvlib.model.default import DEFAULT_MODEL_PATH
 
@@ -54,7 +54,7 @@ def picks(cost: PreemptionCostModel, run: MeasuredRun) -> tuple[int, int]:
     was not clear of 0), at how many the cost model picks the same way."""
     winners = decided(run.victims)
     agreed = sum(cost.choose(v.num_blocks, run.block_bytes, v.num_tokens, run.batch)
-                 == cheaper(v.swap_seconds, v.recompute_seconds) for v in winners)
+                 == way(v) for v in winners)
     return agreed, len(winners)
 
 

@@ -29,6 +29,7 @@ PROBE_BATCH = 8  # decode sequences in the probe's batch
 REPEATS = 3  # rounds at least; more while a round is quick, up to MIN_SECONDS of timing or MAX_ROUNDS
 MIN_SECONDS = 0.5
 MAX_ROUNDS = 50
+NOISE_COPIES = 3  # the decode batch's pass timed this many times in turns: the spread of their bests is the noise
 MAX_PROBE_ATTEMPTS = 3  # probes timed while their passes contradict each other, before the engine says so
 COMPUTE_BOUND_GROWTH = 1.6  # a pass this much slower with twice the tokens is mostly arithmetic
 MEASURABLE_SHARE = 0.25  # ... provided the tokens add at least this share of the batch's own pass
@@ -255,6 +256,7 @@ class VictimTiming:
     num_blocks: int
     swap_seconds: float  # its scattered blocks copied out to the host pool and back in, one batched copy each way
     recompute_seconds: float  # what its prefill added to a pass carrying the decode batch
+    noise_seconds: float = 0.0  # how far identical decode passes timed beside it differed: what adds no more is noise
 
 
 def victim_calls(runner, num_tokens: int, batch: int = 4, batch_context: int = 64,
@@ -292,16 +294,20 @@ def time_victims(runner, lengths: list[int], batch: int = 4, batch_context: int 
     The decode batch is ``batch`` sequences of ``batch_context`` cached tokens (0: none, each way
     timed alone); a victim's recompute is its prefill packed into that batch's pass, minus the
     pass without it, and with ``swap_beside`` its swap likewise (:func:`victim_calls`; a swap hidden
-    entirely behind the pass costs 0, not the timing noise's sign).
+    entirely behind the pass costs 0, not the timing noise's sign). The batch's pass alone is timed
+    ``NOISE_COPIES`` times: bests of the same pass differ by noise alone, so what a victim adds is
+    clear of 0 only beyond their spread (``noise_seconds``).
     """
     rng = random.Random(seed)
     calls = [victim_calls(runner, n, batch, batch_context, rng, swap_beside) for n in lengths]
-    fns = [calls[0]["batch"]] + [c[name] for c in calls for name in ("swap", "batch with the victim")]
+    copies = NOISE_COPIES if batch else 1
+    fns = [calls[0]["batch"]] * copies + [c[name] for c in calls for name in ("swap", "batch with the victim")]
     times = best_in_turns(fns, runner.device, repeats, min_seconds)
-    alone = times[0] if batch else 0.0
+    passes, times = times[:copies], times[copies:]
+    alone, noise = (min(passes), max(passes) - min(passes)) if batch else (0.0, 0.0)
     blocks = [-(-n // runner.device_pool.spec.block_size) for n in lengths]
-    return [VictimTiming(n, b, max(0.0, swap_s - alone) if swap_beside else swap_s, with_victim - alone)
-            for n, b, swap_s, with_victim in zip(lengths, blocks, times[1::2], times[2::2])]
+    return [VictimTiming(n, b, max(0.0, swap_s - alone) if swap_beside else swap_s, with_victim - alone, noise)
+            for n, b, swap_s, with_victim in zip(lengths, blocks, times[0::2], times[1::2])]
 
 
 @dataclass
