@@ -156,6 +156,48 @@ def test_prefix_blocks_are_named_evicted_tail_first_and_demoted_to_the_host_tier
     assert [h.on_host for h in hits] == [True, True]
 
 
+def released_conversation(bm: BlockManager, num_tokens: int) -> Sequence:
+    """A sequence of ``num_tokens`` computed, cached and let go: every full block evictable, the tail first."""
+    seq = sequence(num_tokens)
+    bm.grow(seq, num_tokens)
+    computed(seq, num_tokens)
+    bm.register_computed(seq)
+    bm.drop(seq)
+    return seq
+
+
+def test_a_tier_smaller_than_one_steps_evictions_keeps_the_head_of_the_prefix():
+    """A step that evicts a whole conversation into a tier of half its size: the device evicts tail first, so the
+    tier was full of the tail when the head came and could drop none of it (its copies were this step's), and a
+    returning turn found nothing (lesson 09: a 32-block tier kept blocks 20..51 of 64, 1,032 tokens recomputed)."""
+    bm = manager(gpu=4, cpu=2, enable_prefix_caching=True, host_prefix_cache=True)
+    released_conversation(bm, 16)
+    other = Sequence("o", list(range(500, 516)), SamplingParams(), BS, 1.0)
+    bm.begin_step()
+    bm.grow(other, 16)  # takes all four cached blocks
+    moves = bm.end_step()
+    head = sequence(16)
+    assert [h.on_host for h in bm.prefix_hits(head)] == [True, True]  # blocks 0 and 1: the head
+    assert len(moves.demote) == 2
+    assert sorted(e.tokens[0] for e in bm.host_tier) == [100, 104]
+    # They join the tier tail first, so the tier too gives up the end of a prefix before its head.
+    assert [e.tokens[0] for e in bm.host_tier] == [104, 100]
+    assert bm.host_pool.num_free == 0 and all(bm.host_pool.ref_count(e.block_id) == 1 for e in bm.host_tier)
+
+
+def test_a_later_step_drops_the_tiers_tail_for_the_head_it_evicts():
+    """Evicted over two steps into a tier of two: the tail the first step kept gives way to the head."""
+    bm = manager(gpu=4, cpu=2, enable_prefix_caching=True, host_prefix_cache=True)
+    released_conversation(bm, 16)
+    bm.begin_step()
+    bm.grow(Sequence("a", list(range(500, 508)), SamplingParams(), BS, 1.0), 8)  # evicts blocks 3 and 2
+    assert len(bm.end_step().demote) == 2
+    bm.begin_step()
+    bm.grow(Sequence("b", list(range(600, 608)), SamplingParams(), BS, 1.0), 8)  # evicts blocks 1 and 0
+    assert len(bm.end_step().demote) == 2
+    assert [h.on_host for h in bm.prefix_hits(sequence(16))] == [True, True]
+
+
 def test_a_host_tier_hit_is_copied_back_and_cached_again():
     bm = manager(gpu=8, cpu=4, enable_prefix_caching=True, host_prefix_cache=True)
     first = sequence(9)

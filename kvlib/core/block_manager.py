@@ -58,6 +58,7 @@ class BlockManager:
         self.prefix_stats = PrefixStats()
         self.moves = BlockMoves()
         self._held_host: list[int] = []  # host blocks read or written by this step's moves
+        self._evicted: list[tuple[int, tuple[int, ...], int]] = []  # (name, tokens, device block) evicted this step
         self._moved_out: dict[int, int] = {}  # device -> host copy made this step
         self._host_twin: dict[int, int] = {}  # full device block -> host block with the same K/V
         self._device_twin: dict[int, int] = {}  # full host block -> device block with the same K/V
@@ -69,6 +70,7 @@ class BlockManager:
 
     def end_step(self) -> BlockMoves:
         """The step's moves; the host blocks they hold are let go (the copies run before anything reuses them)."""
+        self._demote_evicted()
         for block in self._held_host:
             self.release_host(block)
         self._held_host.clear()
@@ -169,8 +171,8 @@ class BlockManager:
         """Take the hit blocks, copying host-tier ones back; ``grow`` makes room for the rest."""
         if self.cache is not None and not seq.block_table.blocks and not seq.host_blocks:
             self._record_query(seq, hits)
-        # Claim every hit before taking a device block: taking one may evict a cached block, and
-        # that eviction may push the host tier to make room, so either could be an unclaimed hit.
+        # Claim every hit before taking a device block: taking one may evict a cached block that is
+        # an unclaimed hit; a host hit is held, so the tier cannot drop it when the step's evictions join it.
         claimed = [self._hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
         for hit, block in zip(hits, claimed):
             if hit.on_host:
@@ -314,7 +316,8 @@ class BlockManager:
             entry = self.cache.evict_one()
             if entry is not None:
                 self._forget_if_free(entry.block_id)
-                self._demote(entry.name, entry.tokens, entry.block_id)
+                if self.host_tier is not None:
+                    self._evicted.append((entry.name, entry.tokens, entry.block_id))
         return self.device_pool.allocate()
 
     def share(self, block: int) -> int:
@@ -339,15 +342,26 @@ class BlockManager:
         self._held_host.append(self.host_pool.fork(block))
         return block
 
-    def _demote(self, name: int, tokens: tuple[int, ...], device_block: int) -> None:
-        """Keep an evicted device block on the host tier, if there is one and it has (or makes) room."""
-        if self.host_tier is None or name in self.host_tier:
-            return
-        if self.host_pool.num_free == 0 and not self.host_tier.evict_one():
-            return
-        host = self.take_host()
-        self.moves.demote.append((device_block, self._hold_host(host)))
-        self.host_tier.put(name, tokens, host)
+    def _demote_evicted(self) -> None:
+        """Keep the device blocks this step evicted on the host tier, as many as it has (or makes) room for.
+
+        A prefix is useful only from its first block on, and the device evicts a sequence's blocks tail
+        first, so room goes to the last evicted, its head, first; they join the tier tail first, so the
+        tier too gives up a prefix's end before its head. Swaps, planned earlier in the step, came first.
+        """
+        evicted, self._evicted = self._evicted, []
+        hosts: dict[int, int] = {}
+        for name, _, _ in reversed(evicted):
+            if name in self.host_tier or name in hosts:
+                continue
+            if self.host_pool.num_free == 0 and not self.host_tier.evict_one():
+                break
+            hosts[name] = self._hold_host(self.take_host())
+        for name, tokens, device_block in evicted:
+            if name in hosts:
+                host = hosts.pop(name)  # the first eviction of a name: its block held it when the step began
+                self.moves.demote.append((device_block, host))
+                self.host_tier.put(name, tokens, host)
 
     def take_host(self) -> int:
         """A free host block, with one reference: the caller's."""
