@@ -73,6 +73,23 @@ def test_a_prefix_block_demoted_in_a_step_is_never_read_before_it_is_written(fol
     assert demoted and not same_step
 
 
+def test_a_host_tier_smaller_than_one_steps_evictions_keeps_the_conversations_head(folder):
+    """One long prompt evicts a whole 16-block conversation in one step into an 8-block tier. Evictions come tail
+    first, and the tier, full of the tail, could drop none of it for the head (this step's copies held it): the
+    returning turn found nothing on the host and recomputed all. Now the head is kept and copied back."""
+    rng = random.Random(0)
+    conversation, other = [rng.randrange(96) for _ in range(64)], [rng.randrange(96) for _ in range(72)]
+    config = EngineConfig(block_size=4, num_gpu_blocks=20, num_cpu_blocks=8, watermark=0.0, enable_prefix_caching=True,
+                          host_prefix_cache=True, max_num_batched_tokens=128)
+    llm, params = LLM(folder, config, verbose=False), SamplingParams(max_tokens=4)
+    reply = llm.generate([conversation], params)[0].token_ids
+    llm.generate([other], SamplingParams(max_tokens=1))
+    returning = conversation + reply + [rng.randrange(96) for _ in range(8)]
+    before = llm.metrics.prefix_cache_host_hit_tokens
+    assert samples(llm.generate([returning], params)) == roomy(folder, [returning], [params], 4)
+    assert llm.metrics.prefix_cache_host_hit_tokens - before == 8 * 4  # the tier's 8 blocks: the first 32 tokens
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_samples_swapped_right_after_their_prefill_get_private_blocks(folder, partial):
     """Samples sharing a partly filled last block, swapped out and back, must not both write into one block."""
