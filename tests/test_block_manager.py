@@ -4,6 +4,7 @@ import pytest
 from kvlib.config import SamplingParams
 from kvlib.core.block_allocator import BlockAllocator
 from kvlib.core.block_manager import BlockManager
+from kvlib.core.prefix_cache import HostPrefixTier
 from kvlib.core.sequence import Sequence
 
 BS = 4
@@ -185,17 +186,87 @@ def test_a_tier_smaller_than_one_steps_evictions_keeps_the_head_of_the_prefix():
     assert bm.host_pool.num_free == 0 and all(bm.host_pool.ref_count(e.block_id) == 1 for e in bm.host_tier)
 
 
-def test_a_later_step_drops_the_tiers_tail_for_the_head_it_evicts():
-    """Evicted over two steps into a tier of two: the tail the first step kept gives way to the head."""
+def other_sequence(first_token: int, num_tokens: int) -> Sequence:
+    return Sequence(f"o{first_token}", list(range(first_token, first_token + num_tokens)), SamplingParams(), BS, 1.0)
+
+
+def test_a_tier_entered_tail_first_gives_up_the_tail_for_a_head_evicted_later():
+    """Blocks 3, 2 and 1 evicted in one step into a tier of two, then block 0: the tier keeps 1 and 2, entered 2 first,
+    so making room for 0 drops 2 and the prefix 0, 1 is found. Kept in the order they came, the tier held 3 and 2
+    and found nothing; entered head first, it would drop 1 for 0 and find block 0 alone."""
     bm = manager(gpu=4, cpu=2, enable_prefix_caching=True, host_prefix_cache=True)
     released_conversation(bm, 16)
-    bm.begin_step()
-    bm.grow(Sequence("a", list(range(500, 508)), SamplingParams(), BS, 1.0), 8)  # evicts blocks 3 and 2
-    assert len(bm.end_step().demote) == 2
-    bm.begin_step()
-    bm.grow(Sequence("b", list(range(600, 608)), SamplingParams(), BS, 1.0), 8)  # evicts blocks 1 and 0
-    assert len(bm.end_step().demote) == 2
+    for first_token, num_tokens in ((500, 12), (600, 4)):
+        bm.begin_step()
+        bm.grow(other_sequence(first_token, num_tokens), num_tokens)
+        bm.end_step()
     assert [h.on_host for h in bm.prefix_hits(sequence(16))] == [True, True]
+
+
+def test_a_block_evicted_and_wanted_in_one_step_is_found_on_the_host():
+    """A prompt admitted after the step evicted its prefix finds it on the host tier (kept the moment it is wanted,
+    copied out and back in the same step), not only from the next step on."""
+    bm = manager(gpu=4, cpu=4, enable_prefix_caching=True, host_prefix_cache=True)
+    released_conversation(bm, 16)
+    bm.begin_step()
+    other = other_sequence(500, 16)
+    bm.grow(other, 16)  # evicts all four
+    bm.drop(other)
+    returning = sequence(17)
+    hits = bm.prefix_hits(returning)
+    assert [h.on_host for h in hits] == [True] * 4
+    bm.admit(returning, hits)
+    moves = bm.end_step()
+    written = {host for _, host in moves.demote}
+    assert len(moves.demote) == 4 and [host in written for host, _ in moves.promote] == [True] * 4
+
+
+def test_a_block_the_tier_keeps_already_is_not_dropped_for_a_tail_evicted_with_it():
+    """A conversation's head came back from the tier (and is still kept there), then the whole conversation is
+    evicted in one step into a full tier: making room for its tail must not drop the head, the tier's least recently
+    used blocks (the next turn found nothing)."""
+    bm = manager(gpu=4, cpu=3, enable_prefix_caching=True, host_prefix_cache=True)
+    released_conversation(bm, 16)
+    bm.begin_step()
+    other = other_sequence(500, 16)
+    bm.grow(other, 16)  # evicts all four: the tier keeps blocks 0..2
+    bm.end_step()
+    bm.drop(other)
+    returning = sequence(16)
+    bm.begin_step()
+    hits = bm.prefix_hits(returning)
+    assert [h.on_host for h in hits] == [True] * 3
+    bm.admit(returning, hits)
+    bm.grow(returning, 16)
+    bm.end_step()
+    computed(returning, 16)
+    bm.register_computed(returning)
+    bm.drop(returning)
+    bm.begin_step()
+    bm.grow(other_sequence(600, 16), 16)  # evicts the conversation's four blocks again; block 3 finds no room
+    bm.end_step()
+    assert [h.on_host for h in bm.prefix_hits(sequence(16))] == [True] * 3
+
+
+def test_a_tier_that_raises_while_the_step_ends_leaves_no_block_held_and_no_move_lost():
+    """A plugged-in tier raising in ``evict_one`` as the step's evictions join it: the step's holds are let go and
+    its planned moves (a swap-out here) stay in ``moves`` for the engine to carry out, as when a piece raises
+    mid-step. The holds stayed, and the scheduler's plan lost every move of the step."""
+    class Raising(HostPrefixTier):
+        def evict_one(self):
+            raise RuntimeError("a bug in a plugged-in tier")
+    bm = manager(gpu=8, cpu=2, enable_prefix_caching=True, host_prefix_cache=True, host_tier_factory=Raising)
+    released_conversation(bm, 16)
+    paused = sequence(4)
+    bm.grow(paused, 4)
+    computed(paused, 4)
+    bm.begin_step()
+    bm.swap_out(paused)  # takes one of the two host blocks
+    bm.grow(other_sequence(500, 32), 32)  # four free device blocks, then the four cached ones
+    with pytest.raises(RuntimeError, match="plugged-in tier"):
+        bm.end_step()
+    assert len(bm.moves.swap_out) == 1 and len(bm.moves.demote) == 0
+    assert bm.host_pool.ref_count(paused.host_blocks[0]) == 1 and bm.host_pool.num_free == 1
 
 
 def test_a_host_tier_hit_is_copied_back_and_cached_again():

@@ -96,7 +96,7 @@ def test_the_host_tier_serves_what_the_device_tier_lost():
     blocks = named(device, [1, 2])
     second = block_hash(block_hash(None, (1, 2)), (3, 4))
     host.put(second, (3, 4), host.allocator.allocate())
-    hits = match_prefix([1, 2, 3, 4, 5, 6], BS, device, host)
+    hits = match_prefix([1, 2, 3, 4, 5, 6], BS, device, host.lookup)
     assert hits == [PrefixHit(block_hash(None, (1, 2)), blocks[0]), PrefixHit(second, 0, on_host=True)]
     assert second in host and host.num_cached == 1 and host.lookup(second, (3, 5)) is None
     assert match_prefix([1, 2, 3, 4], BS, device) == hits[:1]  # without the tier: the device hit only

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from kvlib.core.block_allocator import AllocStatus
 from kvlib.core.block_table import blocks_for
 from kvlib.core.plan import BlockMoves
+from kvlib.core.demotion import EvictedBlocks
 from kvlib.core.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
 from kvlib.core.sequence import Sequence
 from kvlib.core.sharing import BlockSharing
@@ -58,7 +59,7 @@ class BlockManager:
         self.prefix_stats = PrefixStats()
         self.moves = BlockMoves()
         self._held_host: list[int] = []  # host blocks read or written by this step's moves
-        self._evicted: list[tuple[int, tuple[int, ...], int]] = []  # (name, tokens, device block) evicted this step
+        self.evicted = EvictedBlocks(self)  # prefix blocks this step evicted, on their way to the host tier
         self._moved_out: dict[int, int] = {}  # device -> host copy made this step
         self._host_twin: dict[int, int] = {}  # full device block -> host block with the same K/V
         self._device_twin: dict[int, int] = {}  # full host block -> device block with the same K/V
@@ -67,13 +68,19 @@ class BlockManager:
     def begin_step(self) -> None:
         self.moves = BlockMoves()
         self._moved_out.clear()
+        self.evicted.clear()
 
     def end_step(self) -> BlockMoves:
-        """The step's moves; the host blocks they hold are let go (the copies run before anything reuses them)."""
-        self._demote_evicted()
-        for block in self._held_host:
-            self.release_host(block)
-        self._held_host.clear()
+        """The step's moves, the step's evicted prefix blocks kept on the host tier first; the host blocks the
+        moves hold are let go (the copies run before anything reuses them), even if a plugged-in tier raised."""
+        try:
+            if self.host_tier is not None:
+                self.evicted.keep()
+        finally:
+            for block in self._held_host:
+                self.release_host(block)
+            self._held_host.clear()
+            self.evicted.clear()
         return self.moves
 
     # ---- capacity ------------------------------------------------------------------------------
@@ -153,11 +160,14 @@ class BlockManager:
         """Cached blocks for a sequence that holds none yet; its last token is always computed."""
         if self.cache is None or seq.block_table.blocks or seq.host_blocks:
             return []
-        return match_prefix(seq.token_ids[:-1], self.block_size, self.cache, self.host_tier)
+        host_lookup = self.evicted.lookup if self.host_tier is not None else None
+        return match_prefix(seq.token_ids[:-1], self.block_size, self.cache, host_lookup)
 
     def cached_prefix(self, token_ids: list[int]) -> list[PrefixHit]:
         """The leading full blocks of ``token_ids`` the prefix cache (or its host tier) holds now."""
-        return match_prefix(token_ids, self.block_size, self.cache, self.host_tier) if self.cache is not None else []
+        if self.cache is None:
+            return []
+        return match_prefix(token_ids, self.block_size, self.cache, self.host_tier.lookup if self.host_tier else None)
 
     def can_admit(self, seq: Sequence, hits: list[PrefixHit], end: int, use_watermark: bool) -> bool:
         if not hits:
@@ -173,7 +183,7 @@ class BlockManager:
             self._record_query(seq, hits)
         # Claim every hit before taking a device block: taking one may evict a cached block that is
         # an unclaimed hit; a host hit is held, so the tier cannot drop it when the step's evictions join it.
-        claimed = [self._hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
+        claimed = [self.hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
         for hit, block in zip(hits, claimed):
             if hit.on_host:
                 entry = self.host_tier.lookup(hit.name, self._block_tokens(seq, len(seq.block_table)))
@@ -317,7 +327,7 @@ class BlockManager:
             if entry is not None:
                 self._forget_if_free(entry.block_id)
                 if self.host_tier is not None:
-                    self._evicted.append((entry.name, entry.tokens, entry.block_id))
+                    self.evicted.add(entry)
         return self.device_pool.allocate()
 
     def share(self, block: int) -> int:
@@ -330,38 +340,18 @@ class BlockManager:
         """Plan this step's copy of a device block's K/V into a host block (the first of the step's phases).
 
         The host block is held until the copy has run, so no later action of the step can reuse it."""
-        self.moves.swap_out.append((device_block, self._hold_host(host_block)))
+        self.moves.swap_out.append((device_block, self.hold_host(host_block)))
 
     def copy_in(self, host_block: int, device_block: int) -> None:
         """Plan this step's copy of a host block's K/V into a device block (the step's last phase).
 
         The host block is held until the copy has read it, so its owner may release it at once."""
-        self.moves.swap_in.append((self._hold_host(host_block), device_block))
+        self.moves.swap_in.append((self.hold_host(host_block), device_block))
 
-    def _hold_host(self, block: int) -> int:
+    def hold_host(self, block: int) -> int:
+        """One more reference to a host block, let go when the step's moves are done: nothing reuses it before."""
         self._held_host.append(self.host_pool.fork(block))
         return block
-
-    def _demote_evicted(self) -> None:
-        """Keep the device blocks this step evicted on the host tier, as many as it has (or makes) room for.
-
-        A prefix is useful only from its first block on, and the device evicts a sequence's blocks tail
-        first, so room goes to the last evicted, its head, first; they join the tier tail first, so the
-        tier too gives up a prefix's end before its head. Swaps, planned earlier in the step, came first.
-        """
-        evicted, self._evicted = self._evicted, []
-        hosts: dict[int, int] = {}
-        for name, _, _ in reversed(evicted):
-            if name in self.host_tier or name in hosts:
-                continue
-            if self.host_pool.num_free == 0 and not self.host_tier.evict_one():
-                break
-            hosts[name] = self._hold_host(self.take_host())
-        for name, tokens, device_block in evicted:
-            if name in hosts:
-                host = hosts.pop(name)  # the first eviction of a name: its block held it when the step began
-                self.moves.demote.append((device_block, host))
-                self.host_tier.put(name, tokens, host)
 
     def take_host(self) -> int:
         """A free host block, with one reference: the caller's."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 
 def block_hash(previous: Optional[int], token_ids: tuple[int, ...]) -> int:
@@ -37,8 +37,9 @@ class PrefixHit:
 
 
 def match_prefix(token_ids: list[int], block_size: int, cache: "PrefixCache",
-                 host_tier: Optional["HostPrefixTier"] = None) -> list[PrefixHit]:
-    """The cached leading full blocks of ``token_ids``: each from the device tier, else from the host tier."""
+                 host_lookup: Optional[Callable[[int, tuple[int, ...]], Optional[CachedBlock]]] = None) -> list[PrefixHit]:
+    """The cached leading full blocks of ``token_ids``: each from the device tier, else from the host tier's
+    ``host_lookup(name, tokens)``."""
     hits, name = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         tokens = tuple(token_ids[start:start + block_size])
@@ -47,7 +48,7 @@ def match_prefix(token_ids: list[int], block_size: int, cache: "PrefixCache",
         if entry is not None:
             hits.append(PrefixHit(name, entry.block_id))
             continue
-        entry = host_tier.lookup(name, tokens) if host_tier is not None else None
+        entry = host_lookup(name, tokens) if host_lookup is not None else None
         if entry is None:
             break
         hits.append(PrefixHit(name, entry.block_id, on_host=True))

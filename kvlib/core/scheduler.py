@@ -109,7 +109,8 @@ class Scheduler:
                 self._release_holders(out)
                 self.schedule_waiting(out, budget)
         finally:
-            out.moves = self.bm.end_step()
+            out.moves = self.bm.moves  # before end_step adds the step's demotions, which may call a plugged-in tier
+            self.bm.end_step()
         return out
 
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:

@@ -98,8 +98,9 @@ class ModelRunner:
         of this step and earlier ones whose copies are done (``SpanTimer``: on a GPU the copies run on
         after this returns, ordered before anything that reads their blocks, and are timed by events).
 
-        Device to host first, so a device block a swap-out or a demotion freed can be reused by
-        the later phases; then copy-on-write; then host to device.
+        Device to host first, so a device block a swap-out freed or an eviction reclaimed can be reused
+        by the later phases; then copy-on-write; then host to device, which may read a host block the first
+        phase has just written (a prefix block evicted and wanted again in the same step).
         """
         if moves:
             start = self.move_timer.start()
