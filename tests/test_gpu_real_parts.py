@@ -96,6 +96,9 @@ def test_victims_are_timed_alone_and_beside_a_decode_batch(tmp_path, monkeypatch
         assert all(v.recompute_seconds > 0 for v in run.victims)
         assert [r.context for r in run.returning] == [64]
     assert all(v.swap_seconds > 0 for v in alone.victims)  # alone, a swap's time is all its own
+    # Beside the batch, every victim carries the run's one noise figure: the spread of identical decode passes.
+    assert {v.noise_seconds for v in alone.victims} == {0.0} and len({v.noise_seconds for v in beside.victims}) == 1
+    assert beside.victims[0].noise_seconds >= 0
 
 
 def test_the_engine_part_writes_each_pass_as_it_ends_then_the_ratio(tmp_path, monkeypatch):
