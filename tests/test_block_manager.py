@@ -248,6 +248,39 @@ def test_a_block_the_tier_keeps_already_is_not_dropped_for_a_tail_evicted_with_i
     assert [h.on_host for h in bm.prefix_hits(sequence(16))] == [True] * 3
 
 
+def test_blocks_evicted_beside_one_the_tier_keeps_already_are_kept_too():
+    """One step evicts a two-block prefix and, last, a block whose copy the tier kept already (it came back
+    from the host and went again): that block needs no room, and the others still get theirs."""
+    bm = manager(gpu=4, cpu=3, enable_prefix_caching=True, host_prefix_cache=True)
+    x = released_conversation(bm, 4)  # one block
+    bm.begin_step()
+    filler = other_sequence(500, 16)
+    bm.grow(filler, 16)  # evicts x's block: the tier keeps it
+    bm.end_step()
+    bm.drop(filler)
+    y = Sequence("y", list(range(300, 308)), SamplingParams(), BS, 0.0)
+    bm.grow(y, 8)
+    computed(y, 8)
+    bm.register_computed(y)
+    bm.drop(y)  # y's two blocks evictable, tail first
+    x_again = Sequence("x", x.token_ids + [1], SamplingParams(), BS, 0.0)
+    bm.begin_step()
+    hits = bm.prefix_hits(x_again)
+    assert [h.on_host for h in hits] == [True]
+    bm.admit(x_again, hits)
+    bm.grow(x_again, 5)
+    bm.end_step()
+    computed(x_again, 5)
+    bm.register_computed(x_again)
+    bm.drop(x_again)  # x's block evictable after y's
+    bm.begin_step()
+    bm.grow(other_sequence(600, 16), 16)  # evicts y's two blocks, then x's
+    bm.end_step()
+    assert [h.on_host for h in bm.prefix_hits(Sequence("y", list(range(300, 309)), SamplingParams(), BS, 0.0))] == \
+        [True, True]
+    assert [h.on_host for h in bm.prefix_hits(x_again)] == [True]
+
+
 def test_a_tier_that_raises_while_the_step_ends_leaves_no_block_held_and_no_move_lost():
     """A plugged-in tier raising in ``evict_one`` as the step's evictions join it: the step's holds are let go and
     its planned moves (a swap-out here) stay in ``moves`` for the engine to carry out, as when a piece raises
