@@ -281,13 +281,15 @@ def test_blocks_evicted_beside_one_the_tier_keeps_already_are_kept_too():
     assert [h.on_host for h in bm.prefix_hits(x_again)] == [True]
 
 
-def test_a_tier_that_raises_while_the_step_ends_leaves_no_block_held_and_no_move_lost():
-    """A plugged-in tier raising in ``evict_one`` as the step's evictions join it: the step's holds are let go and
-    its planned moves (a swap-out here) stay in ``moves`` for the engine to carry out, as when a piece raises
-    mid-step. The holds stayed, and the scheduler's plan lost every move of the step."""
-    class Raising(HostPrefixTier):
-        def evict_one(self):
-            raise RuntimeError("a bug in a plugged-in tier")
+@pytest.mark.parametrize("method", ["evict_one", "put"])
+def test_a_tier_that_raises_while_the_step_ends_leaves_no_block_held_and_no_move_lost(method):
+    """A plugged-in tier raising as the step's evictions join it: the step's holds are let go, the host blocks taken
+    for the tier go back, and the step's planned moves (a swap-out here) stay in ``moves`` for the engine to carry
+    out, as when a piece raises mid-step. The holds stayed and the scheduler's plan lost every move of the step;
+    then, with ``put`` raising, the block taken for it stayed taken by no one."""
+    def raising(*args):
+        raise RuntimeError("a bug in a plugged-in tier")
+    Raising = type("Raising", (HostPrefixTier,), {method: raising})
     bm = manager(gpu=8, cpu=2, enable_prefix_caching=True, host_prefix_cache=True, host_tier_factory=Raising)
     released_conversation(bm, 16)
     paused = sequence(4)

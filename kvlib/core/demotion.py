@@ -58,15 +58,15 @@ class EvictedBlocks:
                 if host is None:
                     break
                 hosts[name] = host
-        except BaseException:  # a plugged-in tier raised: the blocks taken go back (their holds go at the step's end)
+            for name in list(self._blocks):  # tail first
+                if name in hosts:
+                    self._put(name, hosts.pop(name))
+                elif name in tier:
+                    tier.touch(name)
+        except BaseException:  # a plugged-in tier raised: the blocks not handed to it go back
             for host in hosts.values():
-                self.bm.release_host(host)
+                self.bm.release_host(host)  # its own reference: the step's end lets go of its hold
             raise
-        for name in list(self._blocks):  # tail first
-            if name in hosts:
-                self._put(name, hosts[name])
-            elif name in tier:
-                tier.touch(name)
 
     def _host_block(self) -> Optional[int]:
         """A held host block for the tier: a free one, or one the tier gives up; None if neither."""
@@ -75,7 +75,13 @@ class EvictedBlocks:
         return self.bm.hold_host(self.bm.take_host())
 
     def _put(self, name: int, host: int) -> None:
-        """Plan the copy of an evicted block into ``host`` and hand it to the tier (its reference the tier's)."""
-        tokens, device_block = self._blocks.pop(name)
+        """Hand ``host`` to the tier (its reference the tier's) and plan the copy of the evicted block into it;
+        should the tier raise, the block goes back."""
+        tokens, device_block = self._blocks[name]
+        try:
+            self.bm.host_tier.put(name, tokens, host)
+        except BaseException:
+            self.bm.release_host(host)
+            raise
+        del self._blocks[name]
         self.bm.moves.demote.append((device_block, host))
-        self.bm.host_tier.put(name, tokens, host)
