@@ -87,6 +87,42 @@ def test_a_host_tier_smaller_than_one_steps_evictions_keeps_the_conversations_he
     assert llm.metrics.prefix_cache_host_hit_tokens - before == 8 * 4  # the tier's 8 blocks: the first 32 tokens
 
 
+def test_a_tier_raising_in_an_admission_leaves_the_sequence_as_it_came(folder):
+    """A plugged-in tier raising as a returning prompt's host hit is copied back: the device hits the admission had
+    taken stayed in the waiting sequence's table with nothing counted computed, and copy-on-write later let go of
+    them past the prefix cache, which kept them cached and never evictable; the pool shrank until a prompt it
+    could hold never ran."""
+    class RaisesOnce(HostPrefixTier):
+        armed = False
+
+        def touch(self, name):
+            if RaisesOnce.armed:
+                RaisesOnce.armed = False
+                raise RuntimeError("a bug in a plugged-in tier")
+            super().touch(name)
+    rng = random.Random(0)
+    conversation, other = [rng.randrange(96) for _ in range(32)], [rng.randrange(96) for _ in range(72)]
+    config = EngineConfig(block_size=4, num_gpu_blocks=24, num_cpu_blocks=8, watermark=0.0,
+                          enable_prefix_caching=True, host_prefix_cache=True)
+    llm = LLM(folder, config, host_prefix_tier=RaisesOnce, verbose=False)
+    engine, bm = llm.engine, llm.engine.block_manager
+    llm.generate([conversation], SamplingParams(max_tokens=1))
+    llm.generate([other], SamplingParams(max_tokens=1))  # the conversation's head stays on the device, its tail
+    returning, params = conversation + [1, 2, 3], SamplingParams(max_tokens=2)  # goes to the host tier
+    RaisesOnce.armed = True
+    engine.add_request("returning", returning, params)
+    with pytest.raises(RuntimeError, match="plugged-in tier"):
+        engine.step()
+    check_invariants(engine)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, [o.token_ids]) for o in engine.step() if o.finished)
+    assert done["returning"] == roomy(folder, [returning], [params], 4)[0]
+    assert bm.cache.num_evictable == bm.cache.num_cached == bm.device_pool.num_used  # nothing held when idle
+    big = [rng.randrange(96) for _ in range(90)]  # 23 of the pool's 24 blocks
+    assert samples(llm.generate([big], SamplingParams(max_tokens=1))) == roomy(folder, [big], [SamplingParams(max_tokens=1)], 4)
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_samples_swapped_right_after_their_prefill_get_private_blocks(folder, partial):
     """Samples sharing a partly filled last block, swapped out and back, must not both write into one block."""

@@ -178,22 +178,29 @@ class BlockManager:
         return self._status(needed, use_watermark, revived) is AllocStatus.OK
 
     def admit(self, seq: Sequence, hits: list[PrefixHit]) -> None:
-        """Take the hit blocks, copying host-tier ones back; ``grow`` makes room for the rest."""
-        if self.cache is not None and not seq.block_table.blocks and not seq.host_blocks:
-            self._record_query(seq, hits)
+        """Take the hit blocks, copying host-tier ones back; ``grow`` makes room for the rest. Should a
+        plugged-in tier raise, the sequence gives back what it took and waits as it came."""
+        fresh = self.cache is not None and not seq.block_table.blocks and not seq.host_blocks
         # Claim every hit before taking a device block: taking one may evict a cached block that is
         # an unclaimed hit; a host hit is held, so the tier cannot drop it when the step's evictions join it.
         claimed = [self.hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
-        for hit, block in zip(hits, claimed):
+        for index, (hit, block) in enumerate(zip(hits, claimed)):
             if hit.on_host:
-                entry = self.host_tier.lookup(hit.name, self._block_tokens(seq, len(seq.block_table)))
+                try:  # the tier first: nothing of this hit is taken yet if it raises
+                    entry = self.host_tier.lookup(hit.name, self._block_tokens(seq, len(seq.block_table)))
+                    self.host_tier.touch(hit.name)
+                except BaseException:
+                    self._let_go([b for h, b in zip(hits[index:], claimed[index:]) if not h.on_host])
+                    self.release(seq, len(seq.block_table))
+                    raise
                 block = self.take()
                 self.moves.promote.append((hit.block_id, block))  # the hold above keeps the host block
-                self.host_tier.touch(hit.name)
                 self.cache.insert(hit.name, entry.tokens, block)
             seq.block_table.append(block)
             seq.block_hashes.append(hit.name)
         seq.num_computed_tokens += len(hits) * self.block_size
+        if fresh:
+            self._record_query(seq, hits)
 
     def _record_query(self, seq: Sequence, hits: list[PrefixHit]) -> None:
         self.prefix_stats.queried_tokens += seq.num_tokens
@@ -309,15 +316,18 @@ class BlockManager:
 
         Its computed tokens shrink to what its remaining blocks, on the device and the host, hold.
         """
-        released = seq.block_table.pop_tail(count)
-        for block in released:
-            self.device_pool.free(block)
-            self._forget_if_free(block)
-        if self.cache is not None:
-            self.cache.released(released)
+        self._let_go(seq.block_table.pop_tail(count))
         kept = (len(seq.block_table) + len(seq.host_blocks)) * self.block_size
         seq.num_computed_tokens = min(seq.num_computed_tokens, kept)
         del seq.block_hashes[len(seq.block_table) + len(seq.host_blocks):]
+
+    def _let_go(self, blocks: list[int]) -> None:
+        """One reference to each of ``blocks`` (in table order) goes; cached ones nobody holds become evictable."""
+        for block in blocks:
+            self.device_pool.free(block)
+            self._forget_if_free(block)
+        if self.cache is not None:
+            self.cache.released(blocks)
 
     # ---- single blocks -------------------------------------------------------------------------
     def take(self) -> int:
