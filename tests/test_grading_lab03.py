@@ -165,10 +165,13 @@ def float16_engine_runs(seed: int):
 
 def test_a_near_tie_that_parts_the_tokens_in_float16_costs_the_solution_nothing():
     """Seed 33: the solution's kernel and kvlib's decode agree within float16's tolerance at every call, but one
-    greedy choice is a near tie that rounds the other way; the calls after it decode other tokens."""
+    greedy choice is a near tie that rounds the other way; the calls after it decode other tokens. Where a near tie
+    falls is the CPU's float16 arithmetic: on an AMD EPYC seed 33 parts; on an Intel Xeon none of seeds 0-119 does."""
     from kvlib.course.grading.checks import verdict
     check, yours, reference = float16_engine_runs(33)
-    assert yours.observation[lab03.TOKENS] != reference.observation[lab03.TOKENS]  # the near tie is real
+    if yours.observation[lab03.TOKENS] == reference.observation[lab03.TOKENS]:
+        pytest.skip("seed 33's float16 near tie rounds the same way on this CPU; the parted path's comparison is "
+                    "checked by test_until_the_tokens_part_every_decode_call_is_compared")
     assert verdict(check, yours, reference).status == PASS
 
 
