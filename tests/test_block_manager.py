@@ -281,15 +281,17 @@ def test_blocks_evicted_beside_one_the_tier_keeps_already_are_kept_too():
     assert [h.on_host for h in bm.prefix_hits(x_again)] == [True]
 
 
-@pytest.mark.parametrize("method", ["evict_one", "put"])
+@pytest.mark.parametrize("method", ["evict_one", "put", "put after keeping the block"])
 def test_a_tier_that_raises_while_the_step_ends_leaves_no_block_held_and_no_move_lost(method):
     """A plugged-in tier raising as the step's evictions join it: the step's holds are let go, the host blocks taken
     for the tier go back, and the step's planned moves (a swap-out here) stay in ``moves`` for the engine to carry
     out, as when a piece raises mid-step. The holds stayed and the scheduler's plan lost every move of the step;
     then, with ``put`` raising, the block taken for it stayed taken by no one."""
-    def raising(*args):
+    def raising(tier, *args):
+        if method == "put after keeping the block":  # the tier owns it now: the engine must not free it
+            HostPrefixTier.put(tier, *args)
         raise RuntimeError("a bug in a plugged-in tier")
-    Raising = type("Raising", (HostPrefixTier,), {method: raising})
+    Raising = type("Raising", (HostPrefixTier,), {method.split()[0]: raising})
     bm = manager(gpu=8, cpu=2, enable_prefix_caching=True, host_prefix_cache=True, host_tier_factory=Raising)
     released_conversation(bm, 16)
     paused = sequence(4)
@@ -300,8 +302,10 @@ def test_a_tier_that_raises_while_the_step_ends_leaves_no_block_held_and_no_move
     bm.grow(other_sequence(500, 32), 32)  # four free device blocks, then the four cached ones
     with pytest.raises(RuntimeError, match="plugged-in tier"):
         bm.end_step()
-    assert len(bm.moves.swap_out) == 1 and len(bm.moves.demote) == 0
-    assert bm.host_pool.ref_count(paused.host_blocks[0]) == 1 and bm.host_pool.num_free == 1
+    kept = [e.block_id for e in bm.host_tier]
+    assert len(bm.moves.swap_out) == 1 and [host for _, host in bm.moves.demote] == kept  # a kept block is written
+    assert bm.host_pool.ref_count(paused.host_blocks[0]) == 1 and bm.host_pool.num_free == 1 - len(kept)
+    assert all(bm.host_pool.ref_count(block) == 1 for block in kept)
 
 
 def test_a_host_tier_hit_is_copied_back_and_cached_again():

@@ -75,13 +75,14 @@ class EvictedBlocks:
         return self.bm.hold_host(self.bm.take_host())
 
     def _put(self, name: int, host: int) -> None:
-        """Hand ``host`` to the tier (its reference the tier's) and plan the copy of the evicted block into it;
-        should the tier raise, the block goes back."""
+        """Hand ``host`` to the tier (its reference the tier's) and plan the copy of the evicted block into it.
+        Should the tier raise, a block it kept anyway still gets its copy; one it did not keep goes back."""
         tokens, device_block = self._blocks[name]
         try:
             self.bm.host_tier.put(name, tokens, host)
-        except BaseException:
-            self.bm.release_host(host)
-            raise
-        del self._blocks[name]
-        self.bm.moves.demote.append((device_block, host))
+        finally:
+            if name in self.bm.host_tier:
+                del self._blocks[name]
+                self.bm.moves.demote.append((device_block, host))
+            else:
+                self.bm.release_host(host)
