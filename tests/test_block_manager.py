@@ -157,11 +157,14 @@ def test_prefix_blocks_are_named_evicted_tail_first_and_demoted_to_the_host_tier
     assert [h.on_host for h in hits] == [True, True]
 
 
-def released_conversation(bm: BlockManager, num_tokens: int) -> Sequence:
-    """A sequence of ``num_tokens`` computed, cached and let go: every full block evictable, the tail first."""
-    seq = sequence(num_tokens)
-    bm.grow(seq, num_tokens)
-    computed(seq, num_tokens)
+def other_sequence(first_token: int, num_tokens: int) -> Sequence:
+    return Sequence(f"o{first_token}", list(range(first_token, first_token + num_tokens)), SamplingParams(), BS, 1.0)
+
+
+def released(bm: BlockManager, seq: Sequence) -> Sequence:
+    """``seq`` computed, cached and let go: every full block evictable, the tail first."""
+    bm.grow(seq, seq.num_tokens)
+    computed(seq, seq.num_tokens)
     bm.register_computed(seq)
     bm.drop(seq)
     return seq
@@ -172,8 +175,8 @@ def test_a_tier_smaller_than_one_steps_evictions_keeps_the_head_of_the_prefix():
     tier was full of the tail when the head came and could drop none of it (its copies were this step's), and a
     returning turn found nothing (lesson 09: a 32-block tier kept blocks 20..51 of 64, 1,032 tokens recomputed)."""
     bm = manager(gpu=4, cpu=2, enable_prefix_caching=True, host_prefix_cache=True)
-    released_conversation(bm, 16)
-    other = Sequence("o", list(range(500, 516)), SamplingParams(), BS, 1.0)
+    released(bm, sequence(16))
+    other = other_sequence(500, 16)
     bm.begin_step()
     bm.grow(other, 16)  # takes all four cached blocks
     moves = bm.end_step()
@@ -186,16 +189,12 @@ def test_a_tier_smaller_than_one_steps_evictions_keeps_the_head_of_the_prefix():
     assert bm.host_pool.num_free == 0 and all(bm.host_pool.ref_count(e.block_id) == 1 for e in bm.host_tier)
 
 
-def other_sequence(first_token: int, num_tokens: int) -> Sequence:
-    return Sequence(f"o{first_token}", list(range(first_token, first_token + num_tokens)), SamplingParams(), BS, 1.0)
-
-
 def test_a_tier_entered_tail_first_gives_up_the_tail_for_a_head_evicted_later():
     """Blocks 3, 2 and 1 evicted in one step into a tier of two, then block 0: the tier keeps 1 and 2, entered 2 first,
     so making room for 0 drops 2 and the prefix 0, 1 is found. Kept in the order they came, the tier held 3 and 2
     and found nothing; entered head first, it would drop 1 for 0 and find block 0 alone."""
     bm = manager(gpu=4, cpu=2, enable_prefix_caching=True, host_prefix_cache=True)
-    released_conversation(bm, 16)
+    released(bm, sequence(16))
     for first_token, num_tokens in ((500, 12), (600, 4)):
         bm.begin_step()
         bm.grow(other_sequence(first_token, num_tokens), num_tokens)
@@ -207,7 +206,7 @@ def test_a_block_evicted_and_wanted_in_one_step_is_found_on_the_host():
     """A prompt admitted after the step evicted its prefix finds it on the host tier (kept the moment it is wanted,
     copied out and back in the same step), not only from the next step on."""
     bm = manager(gpu=4, cpu=4, enable_prefix_caching=True, host_prefix_cache=True)
-    released_conversation(bm, 16)
+    released(bm, sequence(16))
     bm.begin_step()
     other = other_sequence(500, 16)
     bm.grow(other, 16)  # evicts all four
@@ -226,7 +225,7 @@ def test_a_block_the_tier_keeps_already_is_not_dropped_for_a_tail_evicted_with_i
     evicted in one step into a full tier: making room for its tail must not drop the head, the tier's least recently
     used blocks (the next turn found nothing)."""
     bm = manager(gpu=4, cpu=3, enable_prefix_caching=True, host_prefix_cache=True)
-    released_conversation(bm, 16)
+    released(bm, sequence(16))
     bm.begin_step()
     other = other_sequence(500, 16)
     bm.grow(other, 16)  # evicts all four: the tier keeps blocks 0..2
@@ -252,17 +251,13 @@ def test_blocks_evicted_beside_one_the_tier_keeps_already_are_kept_too():
     """One step evicts a two-block prefix and, last, a block whose copy the tier kept already (it came back
     from the host and went again): that block needs no room, and the others still get theirs."""
     bm = manager(gpu=4, cpu=3, enable_prefix_caching=True, host_prefix_cache=True)
-    x = released_conversation(bm, 4)  # one block
+    x = released(bm, sequence(4))  # one block
     bm.begin_step()
     filler = other_sequence(500, 16)
     bm.grow(filler, 16)  # evicts x's block: the tier keeps it
     bm.end_step()
     bm.drop(filler)
-    y = Sequence("y", list(range(300, 308)), SamplingParams(), BS, 0.0)
-    bm.grow(y, 8)
-    computed(y, 8)
-    bm.register_computed(y)
-    bm.drop(y)  # y's two blocks evictable, tail first
+    released(bm, other_sequence(300, 8))  # y: two blocks evictable, tail first
     x_again = Sequence("x", x.token_ids + [1], SamplingParams(), BS, 0.0)
     bm.begin_step()
     hits = bm.prefix_hits(x_again)
@@ -276,8 +271,7 @@ def test_blocks_evicted_beside_one_the_tier_keeps_already_are_kept_too():
     bm.begin_step()
     bm.grow(other_sequence(600, 16), 16)  # evicts y's two blocks, then x's
     bm.end_step()
-    assert [h.on_host for h in bm.prefix_hits(Sequence("y", list(range(300, 309)), SamplingParams(), BS, 0.0))] == \
-        [True, True]
+    assert [h.on_host for h in bm.prefix_hits(other_sequence(300, 9))] == [True, True]  # y's two blocks
     assert [h.on_host for h in bm.prefix_hits(x_again)] == [True]
 
 
@@ -293,7 +287,7 @@ def test_a_tier_that_raises_while_the_step_ends_leaves_no_block_held_and_no_move
         raise RuntimeError("a bug in a plugged-in tier")
     Raising = type("Raising", (HostPrefixTier,), {method.split()[0]: raising})
     bm = manager(gpu=8, cpu=2, enable_prefix_caching=True, host_prefix_cache=True, host_tier_factory=Raising)
-    released_conversation(bm, 16)
+    released(bm, sequence(16))
     paused = sequence(4)
     bm.grow(paused, 4)
     computed(paused, 4)

@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 from kvlib.core.block_allocator import AllocStatus
 from kvlib.core.block_table import blocks_for
-from kvlib.core.plan import BlockMoves
 from kvlib.core.demotion import EvictedBlocks
+from kvlib.core.plan import BlockMoves
 from kvlib.core.prefix_cache import HostPrefixTier, PrefixCache, PrefixHit, block_hash, match_prefix
 from kvlib.core.sequence import Sequence
 from kvlib.core.sharing import BlockSharing
@@ -167,7 +167,8 @@ class BlockManager:
         """The leading full blocks of ``token_ids`` the prefix cache (or its host tier) holds now."""
         if self.cache is None:
             return []
-        return match_prefix(token_ids, self.block_size, self.cache, self.host_tier.lookup if self.host_tier else None)
+        host_lookup = self.host_tier.lookup if self.host_tier is not None else None
+        return match_prefix(token_ids, self.block_size, self.cache, host_lookup)
 
     def can_admit(self, seq: Sequence, hits: list[PrefixHit], end: int, use_watermark: bool) -> bool:
         if not hits:

@@ -152,13 +152,18 @@ UNDECIDED = "undecided: swap not clear of 0"  # a swap no costlier than the deco
 NOT_CLEAR = "not clear of 0"  # how a table shows a cost that came out at or below zero
 
 
+def clear_of_zero(seconds: float | None, noise_seconds: float = 0.0) -> bool:
+    """Whether a measured cost stands out: timed (not None) and above zero and the noise (what identical decode
+    passes timed beside it differed by)."""
+    return seconds is not None and seconds > max(noise_seconds, 0.0)
+
+
 def cheaper(swap_seconds: float, recompute_seconds: float | None, noise_seconds: float = 0.0) -> str:
-    """The cheaper way to preempt. A recompute too small to tell from zero (None, or at most the noise: what identical
-    decode passes differed by) costs nothing. A swap timed beside a decode pass is what it added to the pass, floored
-    at 0: a swap at most the noise is not clear of 0, so it decides nothing (moving blocks over a host link is never
-    free); with both at nothing, neither is cheaper."""
-    recompute = 0.0 if recompute_seconds is None or recompute_seconds <= noise_seconds else recompute_seconds
-    if swap_seconds <= noise_seconds:
+    """The cheaper way to preempt. A recompute not clear of zero costs nothing. A swap timed beside a decode pass is
+    what it added to the pass, floored at 0: a swap not clear of zero decides nothing (moving blocks over a host link
+    is never free); with both at nothing, neither is cheaper."""
+    recompute = recompute_seconds if clear_of_zero(recompute_seconds, noise_seconds) else 0.0
+    if not clear_of_zero(swap_seconds, noise_seconds):
         return HIDDEN if recompute == 0 else UNDECIDED
     return "swap" if swap_seconds < recompute else "recompute"
 
@@ -175,7 +180,7 @@ def decided(victims: list[VictimTiming]) -> list[VictimTiming]:
 
 def shown_ms(seconds: float | None, noise_seconds: float = 0.0) -> float | str:
     """A cost in milliseconds for a table, or "not clear of 0" where it came out at or below the noise (or None)."""
-    return NOT_CLEAR if seconds is None or seconds <= max(noise_seconds, 0.0) else seconds * 1e3
+    return seconds * 1e3 if clear_of_zero(seconds, noise_seconds) else NOT_CLEAR
 
 
 def victim_rows(run: MeasuredRun) -> list[dict]:
@@ -258,7 +263,7 @@ def victim_ratios(run: MeasuredRun) -> list[tuple[int, float]]:
     """``(tokens, recompute / swap)`` per victim, for a log plot: victims with a cost not clear of 0 either way (a
     swap hidden behind the decode pass, a recompute within the noise) have no ratio to plot and are left out."""
     return [(v.num_tokens, v.recompute_seconds / v.swap_seconds) for v in run.victims
-            if NOT_CLEAR not in (shown_ms(v.swap_seconds, v.noise_seconds), shown_ms(v.recompute_seconds, v.noise_seconds))]
+            if clear_of_zero(v.swap_seconds, v.noise_seconds) and clear_of_zero(v.recompute_seconds, v.noise_seconds)]
 
 
 def returning_rows(run: MeasuredRun) -> list[dict]:
