@@ -229,18 +229,27 @@ class LLMEngine:
         holds, on the device and the host, goes back, and no step returns anything more for it.
 
         Asked during a step (by a plugged-in piece, say), it is done when the step ends, so the step's
-        plan never names a sequence that has gone."""
+        plan never names a sequence that has gone; the caller who owns the request did not ask, so that
+        step returns the request's last output, finished, its samples ``"aborted"``. A request the step
+        finished keeps its own ending: the abort came too late."""
         if self._aborts_after_step is not None:
             self._aborts_after_step.append(request_id)
             return
-        seqs = self._requests.pop(request_id, None)
         self._ready.pop(request_id, None)
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Finish a live request's sequences as aborted; its last output, or None if it was not live."""
+        seqs = self._requests.pop(request_id, None)
         if seqs is None:
-            return
+            return None
         for seq in seqs:
             seq.finish_reason = "aborted"
             self.scheduler.finish(seq)
         self.metrics.num_aborted += 1
+        samples = [SampleOutput(list(s.output_token_ids), self.tokenizer.decode(s.output_token_ids) if self.tokenizer
+                                else None, "aborted") for s in seqs]
+        return RequestOutput(request_id, list(seqs[0].prompt_token_ids), samples, finished=True)
 
     def hand_back(self, outputs: list[RequestOutput]) -> None:
         """Outputs a caller stepped past but does not own (``LLM.generate``): the next ``step()`` returns them
@@ -264,13 +273,19 @@ class LLMEngine:
         try:
             self._run_step(outputs)
         except BaseException:
+            self._abort_those_asked(outputs)
             self.hand_back(list(outputs.values()))
             raise
-        finally:
-            aborted, self._aborts_after_step = self._aborts_after_step, None
-            for request_id in aborted:
-                self.abort_request(request_id)
-        return [out for request_id, out in outputs.items() if request_id not in aborted]
+        self._abort_those_asked(outputs)
+        return list(outputs.values())
+
+    def _abort_those_asked(self, outputs: dict[str, RequestOutput]) -> None:
+        """The aborts asked for during the step, done now it has ended: each one's last output joins the step's."""
+        aborted, self._aborts_after_step = self._aborts_after_step, None
+        for request_id in aborted:
+            last = self._abort(request_id)
+            if last is not None:
+                outputs[request_id] = last
 
     def _run_step(self, outputs: dict[str, RequestOutput]) -> None:
         if not self.scheduler.has_unfinished():

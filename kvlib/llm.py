@@ -45,7 +45,8 @@ class LLM:
                  progress: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order, rejected ones included.
 
-        ``prompts`` is one prompt (a string, or a list or tuple of token ids) or a list of prompts.
+        ``prompts`` is one prompt (a string, or a list or tuple of token ids) or a list of prompts. One that a
+        plugged-in piece aborts comes back with the tokens it had, its finish reason ``"aborted"``.
 
         Requests added with ``engine.add_request`` keep their place: their outputs from the steps
         this call runs come back from the next ``engine.step()``. Should anything raise, this call's

@@ -9,7 +9,7 @@ from typing import Optional
 class SampleOutput:
     token_ids: list[int]
     text: Optional[str] = None
-    finish_reason: Optional[str] = None  # "stop", "length", or "rejected"
+    finish_reason: Optional[str] = None  # "stop", "length", "rejected", or "aborted" (by a plugged-in piece)
 
 
 @dataclass

@@ -592,7 +592,8 @@ def test_admission_does_not_count_room_for_the_last_tokens_kv_which_is_never_sto
 
 def test_a_policy_that_aborts_its_victims_request_while_choosing_it_leaves_the_step_whole(checkpoint):
     """Aborting during a step (here from the victim choice) takes effect when the step ends: nothing raises,
-    the request returns nothing more, every block comes back, the others keep their tokens."""
+    that step returns the request's last output, ended "aborted", and no later one returns anything for it;
+    every block comes back, the others keep their tokens."""
     path = checkpoint("llama-gqa")
 
     class AbortingPolicy(LatestArrivalPolicy):
@@ -615,15 +616,70 @@ def test_a_policy_that_aborts_its_victims_request_while_choosing_it_leaves_the_s
         llm.engine.add_request(f"r{i}", prompt, params)
     outputs = {}
     while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step():  # the step that aborts it, and every later one, return nothing for it
-            assert out.request_id not in policy.aborted
+        for out in llm.engine.step():
+            assert out.request_id not in outputs or not outputs[out.request_id].finished  # nothing after its end
             outputs[out.request_id] = out
         check_invariants(llm.engine)
-    for request_id in policy.aborted:
-        assert not outputs.pop(request_id).finished
     assert len(policy.aborted) == 1 and llm.metrics.num_aborted == 1
+    ended = outputs.pop(policy.aborted[0])
+    assert ended.finished and ended.finish_reason == "aborted"
     bm = llm.engine.block_manager
     assert bm.device_pool.num_free == 10 and bm.host_pool.num_free == 16
     roomy = LLM(path, EngineConfig(block_size=4, num_gpu_blocks=64), verbose=False).generate(prompts, params)
     assert {rid: out.token_ids for rid, out in outputs.items()} == {
         f"r{i}": out.token_ids for i, out in enumerate(roomy) if f"r{i}" not in policy.aborted}
+    aborted = int(policy.aborted[0][1:])
+    assert ended.token_ids == roomy[aborted].token_ids[:len(ended.token_ids)]
+
+
+def test_generate_returns_when_a_plugged_in_piece_aborts_one_of_its_requests(checkpoint):
+    """A piece that aborts a request of generate's own mid-run: generate returns (it looped forever), that
+    request ends "aborted" with the tokens it had, every other one keeps its tokens."""
+    path = checkpoint("llama-gqa")
+
+    class AbortingPolicy(LatestArrivalPolicy):
+        engine, aborted = None, []
+
+        def select_victim(self, candidates, shortfall):
+            victim = super().select_victim(candidates, shortfall)
+            if not self.aborted:
+                self.aborted.append(victim.seq.request_id)
+                self.engine.abort_request(victim.seq.request_id)
+            return victim
+
+    policy = AbortingPolicy()
+    config = EngineConfig(block_size=4, num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode="swap", watermark=0.0)
+    llm = LLM(path, config, preemption_policy=policy, verbose=False)
+    policy.engine = llm.engine
+    prompts = [[3 + i, 4, 5, 6, 7] for i in range(4)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    reference = LLM(path, EngineConfig(block_size=4, num_gpu_blocks=64), verbose=False).generate(prompts, params)
+    (aborted,) = [i for i, out in enumerate(outputs) if out.request_id in policy.aborted]
+    assert outputs[aborted].finished and outputs[aborted].finish_reason == "aborted"
+    assert outputs[aborted].token_ids == reference[aborted].token_ids[:len(outputs[aborted].token_ids)]
+    assert [o.token_ids for i, o in enumerate(outputs) if i != aborted] == [
+        o.token_ids for i, o in enumerate(reference) if i != aborted]
+    assert llm.metrics.num_aborted == 1 and not llm.engine.has_unfinished_requests()
+    assert llm.generate(prompts[:1], params)[0].token_ids == reference[0].token_ids  # still usable
+
+
+def test_an_abort_asked_in_the_step_a_request_finishes_in_is_too_late_and_loses_nothing(folder):
+    """Aborting from inside the step that finishes the request: it has finished, so its output comes back with
+    its own finish reason (the step dropped it, and its id stayed taken with no output ever handed out)."""
+    class AbortingDetector:
+        engine = None
+
+        def observe(self, metrics):
+            self.engine.abort_request("x")  # x finishes in the first step, the one this runs in
+            return None
+
+    detector = AbortingDetector()
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16), oversubscription_detector=detector,
+              verbose=False)
+    detector.engine = llm.engine
+    llm.engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
+    (out,) = llm.engine.step()
+    assert out.request_id == "x" and out.finished and out.finish_reason == "length" and len(out.token_ids) == 1
+    assert llm.metrics.num_aborted == 0 and not llm.engine.has_unfinished_requests()
+    check_invariants(llm.engine)
