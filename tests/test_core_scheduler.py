@@ -236,13 +236,34 @@ def test_paused_sequences_holding_blocks_give_them_up_when_nothing_else_can_run(
 
     released = []
     original = Scheduler._release_holders
-    monkeypatch.setattr(Scheduler, "_release_holders", lambda self, out: released.append(
-        sorted(s.request_id for s in self.waiting + self.swapped if s.block_table.blocks)) or original(self, out))
+    monkeypatch.setattr(Scheduler, "_release_holders", lambda self, out, budget: released.append(
+        sorted(s.request_id for s in self.waiting + self.swapped if s.block_table.blocks)) or original(self, out, budget))
     e, steps = serve()
     assert steps is not None and released == [["r2", "r3", "r3"]]  # r3 and its second sample
     assert [[len(s.output_token_ids) for s in e.requests[f"r{i}"]] for i in range(4)] == [[5], [1], [10], [6, 6]]
-    monkeypatch.setattr(Scheduler, "_release_holders", lambda self, out: None)
+    monkeypatch.setattr(Scheduler, "_release_holders", lambda self, out, budget: None)
     assert serve()[1] is None  # without it, the three wait for each other's blocks for ever
+
+
+def test_the_first_in_line_keeps_its_blocks_while_those_behind_it_give_theirs_up():
+    """The scene above at step 12: r2, oldest, cannot grow and gives up its last block; nothing runs. It keeps its
+    other three (it gave them up too, and recomputed 9 tokens where 3 were lost); r3's samples give up theirs."""
+    config = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=0, preemption_mode="swap", partial_preemption=True,
+                  max_num_batched_tokens=10, max_num_seqs=4)
+    requests = [Request([2, 2], 5, arrival=0), Request([2, 2, 4, 0, 4, 4, 1], 1, arrival=2),
+                Request([2], 10, arrival=3), Request([4, 0, 1, 3, 2], 6, n=2, arrival=4)]
+    e = engine(**config)
+    for i, request in enumerate(requests):
+        e.add(f"r{i}", request)
+    for _ in range(12):
+        e.step()
+    plan = e.last_plan
+    assert [(p.seq.request_id, p.num_blocks) for p in plan.preemptions] == [("r2", 1), ("r3", 2), ("r3", 2)]
+    assert [(seq.request_id, n) for seq, n in plan.scheduled] == [("r2", 3)]  # the 2 tokens lost, and its next
+    while e.has_unfinished():
+        e.step()
+        check_invariants(e)
+    assert e.metrics.num_recomputed_tokens == 21  # 28 when r2 gave up all it held
 
 
 def test_the_model_free_engine_refuses_a_piece_of_the_wrong_kind_as_the_engine_does():
