@@ -226,7 +226,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state (waiting, mid-prefill, running, swapped, forked): every block it
-        holds, on the device and the host, goes back, and no step returns anything more for it.
+        holds, on the device and the host, goes back, and, asked outside a step, no step returns anything
+        more for it.
 
         Asked during a step (by a plugged-in piece, say), it is done when the step ends, so the step's
         plan never names a sequence that has gone; the caller who owns the request did not ask, so that
@@ -240,15 +241,18 @@ class LLMEngine:
 
     def _abort(self, request_id: str) -> Optional[RequestOutput]:
         """Finish a live request's sequences as aborted; its last output, or None if it was not live."""
-        seqs = self._requests.pop(request_id, None)
+        seqs = self._requests.get(request_id)
         if seqs is None:
             return None
         for seq in seqs:
-            seq.finish_reason = "aborted"
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq)  # first: should a plugged-in piece raise, the request stays live
+            seq.finish_reason = seq.finish_reason or "aborted"  # a sample that had ended keeps its reason
+        del self._requests[request_id]
         self.metrics.num_aborted += 1
-        samples = [SampleOutput(list(s.output_token_ids), self.tokenizer.decode(s.output_token_ids) if self.tokenizer
-                                else None, "aborted") for s in seqs]
+        decode = self.tokenizer.decode if self.tokenizer else (lambda token_ids: None)
+        samples = [SampleOutput(list(s.output_token_ids), decode(s.output_token_ids), s.finish_reason) for s in seqs]
+        unforked = seqs[0].params.n - len(seqs)  # aborted before its prompt was computed: n - 1 never forked
+        samples += [SampleOutput([], decode([]), "aborted") for _ in range(unforked)]
         return RequestOutput(request_id, list(seqs[0].prompt_token_ids), samples, finished=True)
 
     def hand_back(self, outputs: list[RequestOutput]) -> None:
@@ -271,12 +275,13 @@ class LLMEngine:
         outputs, self._ready = self._ready, {}
         self._aborts_after_step = []
         try:
-            self._run_step(outputs)
+            try:
+                self._run_step(outputs)
+            finally:
+                self._abort_those_asked(outputs)
         except BaseException:
-            self._abort_those_asked(outputs)
             self.hand_back(list(outputs.values()))
             raise
-        self._abort_those_asked(outputs)
         return list(outputs.values())
 
     def _abort_those_asked(self, outputs: dict[str, RequestOutput]) -> None:

@@ -160,10 +160,10 @@ class SchedulingStep(Protocol):
     blocks fit. The first that does not fit stops the line, so no newer one overtakes it.
 
     Must keep true: no sequence is planned twice in a step, nor for 0 tokens, nor past its end, nor
-    past the budget. The engine runs ``schedule_waiting`` in steps without a preemption, and once more
-    in a step that planned nothing: after paused sequences behind the first in line gave up their
-    device blocks, newest first, until it fits (it keeps its own). Only then may a sequence the step
-    preempted start again in it, its blocks copied out and back (the copy phases keep that order).
+    past the budget. The engine runs ``schedule_waiting`` in steps without a preemption, and in a step
+    that planned nothing, again after each paused sequence that gives up its device blocks, newest
+    first and the first in line last, until it plans. Only then may a sequence the step preempted
+    start again in it, its blocks copied out and back (the copy phases keep that order).
     After the step the engine records what was computed and sampled: the two passes only plan. The
     actions they plan with are the base class's (``kvlib.core.scheduler.Scheduler``; lab 04 lists them).
     """

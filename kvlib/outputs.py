@@ -35,3 +35,8 @@ class RequestOutput:
     @property
     def rejected(self) -> bool:
         return self.error is not None
+
+    @property
+    def aborted(self) -> bool:
+        """A plugged-in piece aborted it during a step (the engine counts it in ``num_aborted``)."""
+        return any(sample.finish_reason == "aborted" for sample in self.samples)

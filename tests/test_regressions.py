@@ -664,22 +664,83 @@ def test_generate_returns_when_a_plugged_in_piece_aborts_one_of_its_requests(che
     assert llm.generate(prompts[:1], params)[0].token_ids == reference[0].token_ids  # still usable
 
 
+class AbortingDetector:
+    """Aborts ``request_id`` from inside the step in which ``when(engine)`` first holds."""
+
+    def __init__(self, request_id, when):
+        self.engine, self.request_id, self.when, self.done = None, request_id, when, False
+
+    def observe(self, metrics):
+        if not self.done and self.when(self.engine):
+            self.done = True
+            self.engine.abort_request(self.request_id)
+        return None
+
+
+def llm_aborting(folder, config, request_id, when, **pieces):
+    detector = AbortingDetector(request_id, when)
+    llm = LLM(folder, config, oversubscription_detector=detector, verbose=False, **pieces)
+    detector.engine = llm.engine
+    return llm
+
+
+def test_a_request_aborted_before_its_samples_fork_ends_with_all_n_of_them(folder):
+    """n = 3, aborted mid-prefill: its output has three samples, not the one sequence it had (a server waited
+    for ever on the other choices)."""
+    config = EngineConfig(block_size=4, num_gpu_blocks=32, max_num_batched_tokens=4)
+    llm = llm_aborting(folder, config, "x", lambda engine: engine.metrics.num_steps == 1)
+    llm.engine.add_request("x", list(range(3, 15)), SamplingParams(max_tokens=4, n=3, seed=1))
+    (out,) = llm.engine.step()
+    assert out.finished and [(s.token_ids, s.finish_reason) for s in out.samples] == [([], "aborted")] * 3
+    check_invariants(llm.engine)
+
+
+def test_a_sample_that_ended_before_its_request_was_aborted_keeps_its_reason(folder):
+    params = dict(max_tokens=10, n=2, seed=3, temperature=1.0)
+    first, second = roomy(folder, [[5, 6, 7]], [SamplingParams(**params)], 4)[0]
+    stop = next(t for t in second[1:6] if t not in first and t not in second[:second.index(t)])
+    ends_at = second.index(stop) + 1  # the second sample stops here; the first goes on
+    llm = llm_aborting(folder, EngineConfig(block_size=4, num_gpu_blocks=32), "x",
+                       lambda engine: len(engine._requests["x"][1].output_token_ids) == ends_at)
+    llm.engine.add_request("x", [5, 6, 7], SamplingParams(stop_token_ids=[stop], **params))
+    last = None
+    while llm.engine.has_unfinished_requests():
+        (last,) = llm.engine.step()
+    assert [s.finish_reason for s in last.samples] == ["aborted", "stop"]
+    assert last.samples[1].token_ids == second[:ends_at]
+    assert last.samples[0].token_ids == first[:len(last.samples[0].token_ids)]
+
+
+def test_a_step_whose_abort_raises_hands_its_outputs_to_the_next_step(folder):
+    """A plugged-in block manager raises while the step's deferred abort lets x go: y finished in that step,
+    and its output comes back from the next one (it was lost)."""
+    from kvlib.core.block_manager import BlockManager
+
+    class FailsOnce(BlockManager):
+        failed = False
+
+        def drop(self, seq, count=None):
+            if seq.request_id == "x" and not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise RuntimeError("drop failed")
+            return super().drop(seq, count)
+
+    llm = llm_aborting(folder, EngineConfig(block_size=4, num_gpu_blocks=32), "x", lambda engine: True,
+                       block_manager=FailsOnce)
+    llm.engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.add_request("y", [8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="drop failed"):
+        llm.engine.step()
+    outputs = {out.request_id: out for out in llm.engine.step()}
+    assert outputs["y"].finished and len(outputs["y"].token_ids) == 1
+
+
 def test_an_abort_asked_in_the_step_a_request_finishes_in_is_too_late_and_loses_nothing(folder):
     """Aborting from inside the step that finishes the request: it has finished, so its output comes back with
     its own finish reason (the step dropped it, and its id stayed taken with no output ever handed out)."""
-    class AbortingDetector:
-        engine = None
-
-        def observe(self, metrics):
-            self.engine.abort_request("x")  # x finishes in the first step, the one this runs in
-            return None
-
-    detector = AbortingDetector()
-    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=16), oversubscription_detector=detector,
-              verbose=False)
-    detector.engine = llm.engine
+    llm = llm_aborting(folder, EngineConfig(block_size=4, num_gpu_blocks=16), "x", lambda engine: True)
     llm.engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=1, ignore_eos=True))
-    (out,) = llm.engine.step()
+    (out,) = llm.engine.step()  # x finishes in the first step, the one the abort is asked in
     assert out.request_id == "x" and out.finished and out.finish_reason == "length" and len(out.token_ids) == 1
     assert llm.metrics.num_aborted == 0 and not llm.engine.has_unfinished_requests()
     check_invariants(llm.engine)

@@ -288,3 +288,36 @@ def test_stream_options_without_streaming_is_refused(server):
                        json={"model": NAME, "prompt": "Hi", "stream_options": {"include_usage": True}})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream_options"
     assert "send stream: true" in reply.json()["error"]["message"] and reply.json()["error"]["code"] == "invalid_value"
+
+
+class AbortAfterTwoTokens:
+    """A plugged-in piece that aborts every request once it has two tokens: its client is still there."""
+
+    engine = None
+
+    def observe(self, metrics):
+        for request_id, seqs in list(self.engine._requests.items()):
+            if len(seqs[0].output_token_ids) >= 2:
+                self.engine.abort_request(request_id)
+        return None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_a_plugged_in_piece_aborts_ends_every_choice_with_abort_as_vllm_says(stream):
+    """Each of its n choices ends, finish reason "abort" (a non-streamed reply got a 499, a stream never ended
+    its second choice), and /metrics counts the request once, as aborted."""
+    detector = AbortAfterTwoTokens()
+    llm = LLM("default", EngineConfig(num_gpu_blocks=32), oversubscription_detector=detector, verbose=False)
+    detector.engine = llm.engine
+    with BackgroundServer(llm, "default") as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        request = dict(model="default", prompt="Hi", max_tokens=16, n=2, temperature=1.0, seed=5, stream=stream)
+        if stream:
+            reasons = {c.index: c.finish_reason for chunk in client.completions.create(**request)
+                       for c in chunk.choices if c.finish_reason is not None}
+        else:
+            reasons = {c.index: c.finish_reason for c in client.completions.create(**request).choices}
+        assert reasons == {0: "abort", 1: "abort"}
+        after = ended_requests(server.url, 1)
+        assert after.get("kvlib:num_requests_aborted_total", 0) == 1 and after.get("vllm:request_success_total", 0) == 0
+        assert settled_pools(server) == {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}

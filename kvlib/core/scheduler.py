@@ -8,8 +8,8 @@ to the :class:`~kvlib.core.block_manager.BlockManager`. Each step it fills the p
    the policy's victims while the block manager says it cannot grow;
 2. if nobody was preempted, resumes swapped and waiting sequences, oldest first, while the
    pool stays above the watermark, the budget lasts and ``max_num_seqs`` allows;
-3. if the plan is still empty while sequences wait, paused ones behind the first in line give
-   up their device blocks, newest first, until it fits, and 2 runs again.
+3. if the plan is still empty while sequences wait, paused ones give up their device blocks one
+   at a time, newest first and the first in line last, with 2 again after each, until it plans.
 
 Every sequence computes the tokens between ``num_computed_tokens`` and its end, so a prefill, a
 decode, a chunk of a long prompt and a recomputation after preemption are one operation. After
@@ -109,7 +109,6 @@ class Scheduler:
                 budget = self.schedule_waiting(out, budget)
             if not out.scheduled and (self.waiting or self.swapped):  # all wait for blocks paused ones hold
                 self._release_holders(out, budget)
-                self.schedule_waiting(out, budget)
         finally:
             out.moves = self.bm.moves  # before end_step adds the step's demotions, which may call a plugged-in tier
             self.bm.end_step()
@@ -143,34 +142,27 @@ class Scheduler:
     def schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Swapped and waiting sequences, oldest first; nobody newer overtakes one waiting for room."""
         for seq in list(heapq.merge(self.swapped, self.waiting, key=by_arrival)):
-            room = self.room_to_start(seq, budget)
-            if room is None:
+            if budget == 0 or self.running_slots + seq.num_slots > self.config.max_num_seqs:
                 break
-            num_new, end, hits = room
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            use_watermark = bool(self.running)  # alone in the pool, a sequence may use all of it
             if seq.status is SequenceStatus.SWAPPED:
+                end = seq.num_computed_tokens + num_new
+                if not self.bm.can_swap_in(seq, end, use_watermark):
+                    break
                 self.bm.swap_in(seq)
             else:
+                hits = self.bm.prefix_hits(seq)
+                computed = seq.num_computed_tokens + len(hits) * self.block_size
+                num_new = min(seq.num_tokens - computed, budget)
+                end = computed + num_new
+                if not self.bm.can_admit(seq, hits, end, use_watermark):
+                    break
                 self.bm.admit(seq, hits)
             self.move(seq, SequenceStatus.RUNNING)
             self.start(seq, num_new, end, out)
             budget -= num_new
         return budget
-
-    def room_to_start(self, seq: Sequence, budget: int) -> Optional[tuple[int, int, list]]:
-        """How a paused or new ``seq`` would start now, ``(tokens, end, prefix hits)``; None while the budget,
-        ``max_num_seqs`` or the pool has no room for it."""
-        if budget == 0 or self.running_slots + seq.num_slots > self.config.max_num_seqs:
-            return None
-        use_watermark = bool(self.running)  # alone in the pool, a sequence may use all of it
-        if seq.status is SequenceStatus.SWAPPED:
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            end = seq.num_computed_tokens + num_new
-            return (num_new, end, []) if self.bm.can_swap_in(seq, end, use_watermark) else None
-        hits = self.bm.prefix_hits(seq)
-        computed = seq.num_computed_tokens + len(hits) * self.block_size
-        num_new = min(seq.num_tokens - computed, budget)
-        end = computed + num_new
-        return (num_new, end, hits) if self.bm.can_admit(seq, hits, end, use_watermark) else None
 
     def start(self, seq: Sequence, num_new: int, end: int, out: SchedulerOutput) -> None:
         """Give ``seq`` its blocks up to ``end`` and put its chunk in the plan, with the samples that fork after it."""
@@ -243,16 +235,17 @@ class Scheduler:
         return mode
 
     def _release_holders(self, out: SchedulerOutput, budget: int) -> None:
-        """Nothing can run: paused sequences holding device blocks give them all up, newest first, until the
-        first in line can start. It keeps its own: giving them up would copy them out and back in."""
-        first, *behind = heapq.merge(self.swapped, self.waiting, key=by_arrival)
-        for seq in reversed(behind):
-            if self.room_to_start(first, budget) is not None:
+        """Nothing can run: paused sequences give up their device blocks one at a time, newest first and the
+        first in line last (giving its own up would copy them out and back in), until the line starts."""
+        holders = [seq for seq in heapq.merge(self.swapped, self.waiting, key=by_arrival) if seq.block_table.blocks]
+        self.schedule_waiting(out, budget)
+        for seq in reversed(holders):
+            if out.scheduled:
                 return
-            if seq.block_table.blocks:
-                candidate = VictimCandidate(seq, False, False, len(seq.block_table), self.bm.unique_tail(seq),
-                                            self.bm.num_shared(seq))
-                self._preempt(candidate, len(seq.block_table), out)
+            candidate = VictimCandidate(seq, False, False, len(seq.block_table), self.bm.unique_tail(seq),
+                                        self.bm.num_shared(seq))
+            self._preempt(candidate, len(seq.block_table), out)
+            self.schedule_waiting(out, budget)
 
     # ---- after the model step -----------------------------------------------------------------
     def postprocess(self, plan: SchedulerOutput, tokens: list[int], now: float) -> StepResult:

@@ -275,7 +275,8 @@ class EngineLoop:
             live.sink(EngineEvent("output", output=out))
             if out.finished:
                 del self._live[out.request_id]
-                self.observer.finished(now - live.submitted, request_finish_reason(out))
+                if not out.aborted:  # an aborted one is counted once, by the engine's num_aborted
+                    self.observer.finished(now - live.submitted, request_finish_reason(out))
 
     def _time_tokens(self, live: _Live, out: RequestOutput, now: float) -> None:
         counts = [len(s.token_ids) for s in out.samples]

@@ -61,7 +61,7 @@ class ChoiceText:
         if final_text is not None and final_text.startswith(self.text):
             self._extend(final_text[len(self.text):])
         if not self.finished:
-            self.finish_reason = reason or "stop"
+            self.finish_reason = "abort" if reason == "aborted" else reason or "stop"  # "abort": vLLM's word
 
     def take(self) -> tuple[str, list[int]]:
         """The text and tokens not yet handed out; text that may be the start of a stop string waits."""

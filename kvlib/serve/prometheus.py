@@ -39,7 +39,8 @@ COUNTERS = {  # name without _total: (help, llm.metrics field)
     "kvlib:num_swapped_in_blocks": ("Blocks copied back to the device on resuming", "num_swapped_in_blocks"),
     "kvlib:num_recomputed_tokens": ("Tokens prefilled again after a recompute preemption", "num_recomputed_tokens"),
     "kvlib:num_requests_rejected": ("Requests the engine refused (they could never run)", "num_rejected"),
-    "kvlib:num_requests_aborted": ("Requests ended before their end: the client left, or a step failed", "num_aborted"),
+    "kvlib:num_requests_aborted": ("Requests ended early: the client left, a step failed, or a plugged-in piece "
+                                   "aborted them", "num_aborted"),
 }
 
 
