@@ -241,13 +241,13 @@ class LLMEngine:
 
     def _abort(self, request_id: str) -> Optional[RequestOutput]:
         """Finish a live request's sequences as aborted; its last output, or None if it was not live."""
-        seqs = self._requests.get(request_id)
+        seqs = self._requests.pop(request_id, None)  # first: aborted again while this runs, it is not live
         if seqs is None:
             return None
         for seq in seqs:
-            self.scheduler.finish(seq)  # first: should a plugged-in piece raise, the request stays live
+            self._or_stop("letting go of its blocks (some of its samples may have, others not)",
+                          self.scheduler.finish, seq, who=f"aborting request {request_id!r}")
             seq.finish_reason = seq.finish_reason or "aborted"  # a sample that had ended keeps its reason
-        del self._requests[request_id]
         self.metrics.num_aborted += 1
         decode = self.tokenizer.decode if self.tokenizer else (lambda token_ids: None)
         samples = [SampleOutput(list(s.output_token_ids), decode(s.output_token_ids), s.finish_reason) for s in seqs]
@@ -285,12 +285,16 @@ class LLMEngine:
         return list(outputs.values())
 
     def _abort_those_asked(self, outputs: dict[str, RequestOutput]) -> None:
-        """The aborts asked for during the step, done now it has ended: each one's last output joins the step's."""
-        aborted, self._aborts_after_step = self._aborts_after_step, None
-        for request_id in aborted:
-            last = self._abort(request_id)
-            if last is not None:
-                outputs[request_id] = last
+        """The aborts asked for during the step, and while these are done, done now: each one's last output
+        joins the step's."""
+        asked = self._aborts_after_step
+        try:
+            while asked:
+                last = self._abort(asked.pop(0))
+                if last is not None:
+                    outputs[last.request_id] = last
+        finally:
+            self._aborts_after_step = None
 
     def _run_step(self, outputs: dict[str, RequestOutput]) -> None:
         if not self.scheduler.has_unfinished():
@@ -324,13 +328,14 @@ class LLMEngine:
         finally:
             self.metrics.record_plan(plan, self.runner.spec.block_bytes, seconds)
 
-    def _or_stop(self, doing: str, call, *args):
-        """``call(*args)``, a part of the step that cannot be undone once begun: should it raise, the engine stops."""
+    def _or_stop(self, doing: str, call, *args, who: Optional[str] = None):
+        """``call(*args)``, bookkeeping that cannot be undone once begun: should it raise, the engine stops."""
         try:
             return call(*args)
         except BaseException as err:
             cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-            self._stopped = (f"the engine stopped: step {self._step + 1} raised {cause} while {doing}. Its KV cache "
+            who = who or f"step {self._step + 1}"
+            self._stopped = (f"the engine stopped: {who} raised {cause} while {doing}. Its KV cache "
                              f"and its books no longer agree, and serving on would give wrong tokens: build a new "
                              f"LLM (or LLMEngine) to go on; the requests still in this one cannot finish")
             raise

@@ -266,6 +266,24 @@ def test_the_first_in_line_keeps_its_blocks_while_those_behind_it_give_theirs_up
     assert e.metrics.num_recomputed_tokens == 21  # 28 when r2 gave up all it held
 
 
+def test_a_sequence_that_preempts_itself_while_paused_samples_hold_the_blocks_it_needs_goes_on():
+    """r1's paused samples hold only blocks they share, so none is a victim; r3, needing one block, gives up its
+    own last one. Were the line asked before anyone paused gave up blocks, r3 would take that block back and give
+    it up again every step for ever (2 tokens recomputed each time); the samples give theirs up first."""
+    config = dict(block_size=2, num_gpu_blocks=10, preemption_mode="recompute", partial_preemption=True,
+                  max_num_seqs=4, max_num_batched_tokens=2, watermark=0.1)
+    e = engine(**config)
+    e.add("r1", Request([3, 1, 4, 2, 4, 2, 4, 2, 1], 6, n=3, arrival=2))
+    e.add("r3", Request([0, 0, 4, 2, 3, 1, 2], 7, arrival=2))
+    steps = 0
+    while e.has_unfinished() and steps < 200:
+        e.step()
+        check_invariants(e)
+        steps += 1
+    assert not e.has_unfinished(), f"after {steps} steps: {states(e)}"
+    assert [[len(s.output_token_ids) for s in e.requests[r]] for r in ("r1", "r3")] == [[6, 6, 6], [7]]
+
+
 def test_the_model_free_engine_refuses_a_piece_of_the_wrong_kind_as_the_engine_does():
     from kvlib.core.block_allocator import BlockAllocator
     with pytest.raises(TypeError, match="allocator must be a class or factory.*pass the class itself"):

@@ -711,28 +711,61 @@ def test_a_sample_that_ended_before_its_request_was_aborted_keeps_its_reason(fol
     assert last.samples[0].token_ids == first[:len(last.samples[0].token_ids)]
 
 
-def test_a_step_whose_abort_raises_hands_its_outputs_to_the_next_step(folder):
-    """A plugged-in block manager raises while the step's deferred abort lets x go: y finished in that step,
-    and its output comes back from the next one (it was lost)."""
+def test_a_piece_that_raises_while_an_abort_lets_go_of_blocks_stops_the_engine_saying_so(folder):
+    """A plugged-in block manager raises while the step's deferred abort lets x's second sample go: the first has
+    let go, the second may have half done, so the books cannot be trusted. The engine stops, naming the request
+    and the recovery (it went on with the request half finished, and a later step failed on it)."""
     from kvlib.core.block_manager import BlockManager
+    from kvlib.engine import EngineStoppedError
 
-    class FailsOnce(BlockManager):
-        failed = False
-
+    class FailsOnTheSecondSample(BlockManager):
         def drop(self, seq, count=None):
-            if seq.request_id == "x" and not FailsOnce.failed:
-                FailsOnce.failed = True
+            if seq.request_id == "x" and seq.sample_index == 1 and count is None:
                 raise RuntimeError("drop failed")
             return super().drop(seq, count)
 
-    llm = llm_aborting(folder, EngineConfig(block_size=4, num_gpu_blocks=32), "x", lambda engine: True,
-                       block_manager=FailsOnce)
-    llm.engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
-    llm.engine.add_request("y", [8, 9], SamplingParams(max_tokens=1, ignore_eos=True))
+    llm = llm_aborting(folder, EngineConfig(block_size=4, num_gpu_blocks=32), "x",
+                       lambda engine: len(engine._requests["x"]) == 2, block_manager=FailsOnTheSecondSample)
+    llm.engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=8, n=2, seed=1))
     with pytest.raises(RuntimeError, match="drop failed"):
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+    with pytest.raises(EngineStoppedError, match="aborting request 'x' raised RuntimeError: drop failed while letting "
+                                                 "go of its blocks.*build a new LLM"):
         llm.engine.step()
-    outputs = {out.request_id: out for out in llm.engine.step()}
-    assert outputs["y"].finished and len(outputs["y"].token_ids) == 1
+
+
+def test_aborts_asked_while_the_steps_aborts_are_done_are_done_too(folder):
+    """A plugged-in allocator that aborts g0 and g1 at the first block freed after a detector aborted g0, so while
+    the step's deferred abort of g0 frees its blocks: g1 ends with an output too (it was aborted at once and
+    silently, and generate waited for ever), and g0, aborted again, once."""
+    from kvlib.core.block_allocator import BlockAllocator
+
+    made = []
+
+    class AbortingAllocator(BlockAllocator):
+        def free(self, block_id):
+            super().free(block_id)
+            if llm.engine.oversubscription.done and not made[0]:
+                made[0] = True
+                for request_id in ("g0", "g1"):
+                    llm.engine.abort_request(request_id)
+
+    made.append(False)
+    llm = llm_aborting(folder, EngineConfig(block_size=4, num_gpu_blocks=32), "g0",
+                       lambda engine: len(engine._requests["g0"][0].output_token_ids) == 2, allocator=AbortingAllocator)
+    for request_id in ("g0", "g1"):
+        llm.engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    ended = {}
+    for _ in range(20):
+        for out in llm.engine.step():
+            assert out.request_id not in ended
+            if out.finished:
+                ended[out.request_id] = out.finish_reason
+        if not llm.engine.has_unfinished_requests():
+            break
+    assert ended == {"g0": "aborted", "g1": "aborted"} and llm.metrics.num_aborted == 2
+    check_invariants(llm.engine)
 
 
 def test_an_abort_asked_in_the_step_a_request_finishes_in_is_too_late_and_loses_nothing(folder):

@@ -235,17 +235,20 @@ class Scheduler:
         return mode
 
     def _release_holders(self, out: SchedulerOutput, budget: int) -> None:
-        """Nothing can run: paused sequences give up their device blocks one at a time, newest first and the
-        first in line last (giving its own up would copy them out and back in), until the line starts."""
+        """Nothing was planned: paused sequences give up their device blocks one at a time, newest first and the
+        first in line last (its own would be copied out and back in), the line asked again after each until it
+        starts. One gives them up before the line is asked: a sequence that preempted itself would otherwise
+        take back just what it gave, and give it again the next step, for ever."""
         holders = [seq for seq in heapq.merge(self.swapped, self.waiting, key=by_arrival) if seq.block_table.blocks]
-        self.schedule_waiting(out, budget)
+        if not holders:
+            self.schedule_waiting(out, budget)
         for seq in reversed(holders):
-            if out.scheduled:
-                return
             candidate = VictimCandidate(seq, False, False, len(seq.block_table), self.bm.unique_tail(seq),
                                         self.bm.num_shared(seq))
             self._preempt(candidate, len(seq.block_table), out)
             self.schedule_waiting(out, budget)
+            if out.scheduled:
+                return
 
     # ---- after the model step -----------------------------------------------------------------
     def postprocess(self, plan: SchedulerOutput, tokens: list[int], now: float) -> StepResult:
