@@ -232,12 +232,19 @@ class LLMEngine:
         Asked during a step (by a plugged-in piece, say), it is done when the step ends, so the step's
         plan never names a sequence that has gone; the caller who owns the request did not ask, so that
         step returns the request's last output, finished, its samples ``"aborted"``. A request the step
-        finished keeps its own ending: the abort came too late."""
+        finished keeps its own ending: the abort came too late. One a piece asks for while an abort is
+        done ends so too, its output from the next step."""
         if self._aborts_after_step is not None:
             self._aborts_after_step.append(request_id)
             return
         self._ready.pop(request_id, None)
-        self._abort(request_id)
+        self._aborts_after_step = []
+        try:
+            self._abort(request_id)
+        finally:
+            ended: dict[str, RequestOutput] = {}
+            self._abort_those_asked(ended)
+            self._ready.update(ended)
 
     def _abort(self, request_id: str) -> Optional[RequestOutput]:
         """Finish a live request's sequences as aborted; its last output, or None if it was not live."""

@@ -768,6 +768,31 @@ def test_aborts_asked_while_the_steps_aborts_are_done_are_done_too(folder):
     check_invariants(llm.engine)
 
 
+def test_an_abort_a_piece_asks_for_while_a_caller_aborts_ends_with_an_output_from_the_next_step(folder):
+    """The caller aborts g0 between steps; a plugged-in allocator aborts g1 as g0's blocks are freed: g1's owner
+    gets its ending from the next step (it was aborted silently)."""
+    from kvlib.core.block_allocator import BlockAllocator
+
+    class AbortingAllocator(BlockAllocator):
+        armed = False
+
+        def free(self, block_id):
+            super().free(block_id)
+            if AbortingAllocator.armed:
+                AbortingAllocator.armed = False
+                llm.engine.abort_request("g1")
+
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=32), allocator=AbortingAllocator, verbose=False)
+    for request_id in ("g0", "g1"):
+        llm.engine.add_request(request_id, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.step()
+    AbortingAllocator.armed = True
+    llm.engine.abort_request("g0")
+    (out,) = llm.engine.step()
+    assert (out.request_id, out.finished, out.finish_reason, len(out.token_ids)) == ("g1", True, "aborted", 1)
+    assert llm.metrics.num_aborted == 2 and not llm.engine.has_unfinished_requests()
+    check_invariants(llm.engine)
+
 def test_an_abort_asked_in_the_step_a_request_finishes_in_is_too_late_and_loses_nothing(folder):
     """Aborting from inside the step that finishes the request: it has finished, so its output comes back with
     its own finish reason (the step dropped it, and its id stayed taken with no output ever handed out)."""
