@@ -244,6 +244,6 @@ def warns_on_late_onset(cls, rng: random.Random) -> dict:
 
 
 @engine.check(1, "a few preemptions spread over a stream of requests are no alarm")
-def quiet_on_occasional_preemption(cls, rng: random.Random) -> dict:
+def quiet_on_a_stream_with_occasional_preemption(cls, rng: random.Random) -> dict:
     served = watch(cls, "occasional", rng.randrange(10**6))
     return {f"40 requests, {served.metrics.num_preemptions} preemptions: warnings": len(served.warnings)}
