@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from typing import Callable
 
 import torch
@@ -179,7 +180,7 @@ def run_kernel_bench(dtypes: list[torch.dtype] | None = None) -> list[dict]:
             else:
                 variants = [("triton paged", auto)]
             for kernel, splits in variants:
-                ms = do_bench(lambda: paged(splits), return_mode="median")
+                ms = do_bench(partial(paged, splits), return_mode="median")
                 rows.append(row(dtype, shape, kernel, splits, ms, kv_bytes, sdpa_ms))
             rows.append(row(dtype, shape, "torch sdpa, contiguous", None, sdpa_ms, kv_bytes, sdpa_ms))
             del paged, sdpa
@@ -271,21 +272,18 @@ def decode_sweep(shapes: list[tuple[int, int]] = SHAPES, dtype: torch.dtype = to
         layers = graph_layers(decode_kv_bytes(batch, context, dtype))
         paged, sdpa, kv_bytes = decode_case(batch, context, device, dtype, layers)
         sdpa_eager = eager_ms(sdpa)
-        sdpa_graph = graph_ms([lambda layer=layer: sdpa(layer) for layer in range(layers)])
+        sdpa_graph = graph_ms([partial(sdpa, layer) for layer in range(layers)])
         shape = f"{batch} x {context:,}"
         rows.append(sweep_row(shape, "torch sdpa, contiguous", None, None, sdpa_eager, sdpa_graph, kv_bytes, peak,
                               sdpa_eager, sdpa_graph, layers))
         auto = choose_num_splits(batch, NUM_KV_HEADS, context, device)
         for splits, tuning in decode_variants(batch, context, auto):
             block_n, warps, stages = tuning
-
-            def call(layer: int = 0, splits=splits, block_n=block_n, warps=warps, stages=stages):
-                return paged(splits, layer, block_n=block_n, num_warps=warps, num_stages=stages)
-
+            call = partial(paged, splits, block_n=block_n, num_warps=warps, num_stages=stages)  # call(layer)
             label = tuning_label(splits, tuning) + (" (the rule's count)" if splits == auto else "")
             try:
                 kernel_eager = eager_ms(call)
-                kernel_graph = graph_ms([lambda layer=layer: call(layer) for layer in range(layers)])
+                kernel_graph = graph_ms([partial(call, layer) for layer in range(layers)])
             except Exception as error:  # noqa: BLE001 - a tuning the device cannot run (shared memory) is a finding
                 rows.append({"shape": shape, "variant": label, "error": f"{type(error).__name__}: {error}"[:300]})
                 continue
@@ -403,7 +401,7 @@ def prefill_bench(cases: list[tuple[int, int, int]] = PREFILL_CASES, dtype: torc
         for block_m, block_n, warps, stages in tunings:
             tuning = f"BLOCK_M {block_m}, BLOCK_N {block_n}, {warps} warps, {stages} stages"
             try:
-                ms = eager_ms(lambda: paged(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages))
+                ms = eager_ms(partial(paged, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages))
             except Exception as error:  # noqa: BLE001 - a tuning the device cannot run (shared memory) is a finding
                 rows.append({"case": case, "implementation": "triton paged prefill", "tuning": tuning,
                              "error": f"{type(error).__name__}: {error}"[:300]})
