@@ -70,7 +70,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(history=config.metrics_history)
         self._requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, sample 0 first
         self._ready: dict[str, RequestOutput] = {}  # outputs the next step() hands out first (rejections ...)
-        self._aborts_after_step: Optional[list[str]] = None  # during a step: aborts asked for, done when it ends
+        self._deferred_aborts: Optional[list[str]] = None  # during a step or an abort: aborts asked, done after it
         self._stopped: Optional[str] = None  # why the engine refuses to go on, once a step stopped halfway
         self._num_requests = 0
         self._step = 0
@@ -226,24 +226,23 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state (waiting, mid-prefill, running, swapped, forked): every block it
-        holds, on the device and the host, goes back, and, asked outside a step, no step returns anything
-        more for it.
+        holds, on the device and the host, goes back. Its owner asked, so no step returns anything more
+        for it.
 
-        Asked during a step (by a plugged-in piece, say), it is done when the step ends, so the step's
-        plan never names a sequence that has gone; the caller who owns the request did not ask, so that
-        step returns the request's last output, finished, its samples ``"aborted"``. A request the step
-        finished keeps its own ending: the abort came too late. One a piece asks for while an abort is
-        done ends so too, its output from the next step."""
-        if self._aborts_after_step is not None:
-            self._aborts_after_step.append(request_id)
+        Asked by a plugged-in piece during a step (or an abort), it is done when that ends, so no plan
+        names a sequence that has gone; the owner did not ask, so the request's last output comes back
+        (from that step, or the next), finished, its samples ``"aborted"``. A request the step finished
+        keeps its own ending: the abort came too late."""
+        if self._deferred_aborts is not None:
+            self._deferred_aborts.append(request_id)
             return
         self._ready.pop(request_id, None)
-        self._aborts_after_step = []
+        self._deferred_aborts = []
         try:
             self._abort(request_id)
         finally:
             ended: dict[str, RequestOutput] = {}
-            self._abort_those_asked(ended)
+            self._do_deferred_aborts(ended)
             self._ready.update(ended)
 
     def _abort(self, request_id: str) -> Optional[RequestOutput]:
@@ -280,28 +279,28 @@ class LLMEngine:
         had already recorded) come back from the next step."""
         self._require_running()
         outputs, self._ready = self._ready, {}
-        self._aborts_after_step = []
+        self._deferred_aborts = []
         try:
             try:
                 self._run_step(outputs)
             finally:
-                self._abort_those_asked(outputs)
+                self._do_deferred_aborts(outputs)
         except BaseException:
             self.hand_back(list(outputs.values()))
             raise
         return list(outputs.values())
 
-    def _abort_those_asked(self, outputs: dict[str, RequestOutput]) -> None:
-        """The aborts asked for during the step, and while these are done, done now: each one's last output
-        joins the step's."""
-        asked = self._aborts_after_step
+    def _do_deferred_aborts(self, outputs: dict[str, RequestOutput]) -> None:
+        """The aborts asked for during a step or an abort, and while these are done: each one's last output
+        joins ``outputs``."""
+        asked = self._deferred_aborts
         try:
             while asked:
                 last = self._abort(asked.pop(0))
                 if last is not None:
                     outputs[last.request_id] = last
         finally:
-            self._aborts_after_step = None
+            self._deferred_aborts = None
 
     def _run_step(self, outputs: dict[str, RequestOutput]) -> None:
         if not self.scheduler.has_unfinished():
