@@ -284,6 +284,24 @@ def test_a_sequence_that_preempts_itself_while_paused_samples_hold_the_blocks_it
     assert [[len(s.output_token_ids) for s in e.requests[r]] for r in ("r1", "r3")] == [[6, 6, 6], [7]]
 
 
+def test_cached_blocks_nobody_uses_count_towards_the_watermark():
+    """A's 8 prompt blocks stay cached after it ends, and B's growth takes the last free ones: 0 free, 8 that can
+    be handed out. C needs 1 block and starts at once; it waited until B finished (the watermark was checked
+    against the 0 free blocks alone), and a scheduler that always keeps the watermark waited for ever."""
+    e = engine(block_size=2, num_gpu_blocks=10, watermark=0.1, enable_prefix_caching=True, max_num_batched_tokens=64)
+    e.add("A", Request(list(range(16)), 1, arrival=0))
+    e.step()
+    e.add("B", Request([100, 101], 12, arrival=1))
+    for _ in range(3):
+        e.step()
+    bm = e.block_manager
+    assert (bm.device_pool.num_free, bm.cache.num_evictable, bm.watermark_blocks) == (0, 8, 1)
+    e.add("C", Request([200, 201], 2, arrival=2))
+    e.step()
+    assert [seq.request_id for seq, _ in e.last_plan.scheduled] == ["B", "C"]
+    check_invariants(e)
+
+
 def test_the_model_free_engine_refuses_a_piece_of_the_wrong_kind_as_the_engine_does():
     from kvlib.core.block_allocator import BlockAllocator
     with pytest.raises(TypeError, match="allocator must be a class or factory.*pass the class itself"):

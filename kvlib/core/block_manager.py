@@ -105,9 +105,13 @@ class BlockManager:
         return self.device_pool.num_free + (self.cache.num_evictable if self.cache is not None else 0)
 
     def _status(self, needed: int, use_watermark: bool, revived: int = 0) -> AllocStatus:
-        """The allocator's answer, counting evictable cached blocks (minus those a hit revives) as free."""
+        """The allocator's answer, counting evictable cached blocks (minus those a hit revives) as free: those
+        left over once ``needed`` is met count towards the watermark too."""
         spare = self.cache.num_evictable - revived if self.cache is not None else 0
-        return self.device_pool.can_allocate(max(0, needed - spare), self.watermark_blocks if use_watermark else 0)
+        watermark = self.watermark_blocks if use_watermark else 0
+        if needed >= spare:
+            return self.device_pool.can_allocate(needed - spare, watermark)
+        return self.device_pool.can_allocate(0, max(0, watermark - (spare - needed)))
 
     def sharers(self, block: int) -> int:
         """Sequences holding a device block (the prefix cache's own reference is not a user)."""
