@@ -387,5 +387,5 @@ class LLMEngine:
     def _stall_message(self) -> str:
         s, bm = self.scheduler, self.block_manager
         return (f"the scheduler found nothing to run: {len(s.waiting)} waiting, {len(s.running)} running, "
-                f"{len(s.swapped)} swapped, {bm.device_pool.num_free}/{bm.device_pool.num_blocks} device blocks free; "
-                f"this is a bug in the scheduler or in a plugged-in allocator or policy")
+                f"{len(s.swapped)} swapped, {bm.num_free_blocks}/{bm.device_pool.num_blocks} device blocks free or "
+                f"cached for no one; this is a bug in the scheduler or in a plugged-in allocator or policy")

@@ -802,3 +802,24 @@ def test_an_abort_asked_in_the_step_a_request_finishes_in_is_too_late_and_loses_
     assert out.request_id == "x" and out.finished and out.finish_reason == "length" and len(out.token_ids) == 1
     assert llm.metrics.num_aborted == 0 and not llm.engine.has_unfinished_requests()
     check_invariants(llm.engine)
+
+
+def test_a_scheduler_that_plans_nothing_is_named_with_the_blocks_it_could_have_had(folder):
+    """The stall error counts cached blocks nobody uses as room (it said 0 free of a pool full of them)."""
+    from kvlib.core.scheduler import Scheduler
+
+    class StopsAdmitting(Scheduler):
+        stopped = False
+
+        def schedule_waiting(self, out, budget):
+            return budget if StopsAdmitting.stopped else super().schedule_waiting(out, budget)
+
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=8, enable_prefix_caching=True), scheduler=StopsAdmitting,
+              verbose=False)
+    llm.generate([list(range(3, 35))], SamplingParams(max_tokens=1))  # its 8 blocks stay cached, for no one
+    assert llm.engine.block_manager.device_pool.num_free == 0
+    StopsAdmitting.stopped = True
+    llm.engine.add_request("x", [3, 4], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="1 waiting, 0 running, 0 swapped, 8/8 device blocks free or cached for "
+                                           "no one; this is a bug in the scheduler"):
+        llm.engine.step()
