@@ -341,9 +341,10 @@ class LLMEngine:
         except BaseException as err:
             cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
             who = who or f"step {self._step + 1}"
-            self._stopped = (f"the engine stopped: {who} raised {cause} while {doing}. Its KV cache "
-                             f"and its books no longer agree, and serving on would give wrong tokens: build a new "
-                             f"LLM (or LLMEngine) to go on; the requests still in this one cannot finish")
+            self._stopped = self._stopped or (  # the first cause is the one to report
+                f"the engine stopped: {who} raised {cause} while {doing}. The engine's KV cache "
+                f"and its books no longer agree, and serving on would give wrong tokens: build a new "
+                f"LLM (or LLMEngine) to go on; the requests still in this one cannot finish")
             raise
 
     def _require_running(self) -> None:

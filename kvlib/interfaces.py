@@ -156,8 +156,9 @@ class SchedulingStep(Protocol):
     sequence itself, which is then not planned. ``schedule_waiting(out, budget)``: the swapped and
     the waiting sequences stand in one line, oldest arrival first, and each resumes or starts while
     it fits: within the budget, within ``max_num_seqs`` (counting the samples its request will
-    fork), and, while anything runs, leaving the watermark free; the block manager says whether its
-    blocks fit. The first that does not fit stops the line, so no newer one overtakes it.
+    fork), and, while anything runs, leaving the watermark free (or cached for no one); the block
+    manager says whether its blocks fit. The first that does not fit stops the line, so no newer one
+    overtakes it.
 
     Must keep true: no sequence is planned twice in a step, nor for 0 tokens, nor past its end, nor
     past the budget. The engine runs ``schedule_waiting`` in steps without a preemption, and in a step

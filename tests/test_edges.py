@@ -269,6 +269,20 @@ def test_a_step_that_raises_while_recording_its_tokens_stops_the_engine(monkeypa
     check_invariants(engine)
 
 
+def test_an_abort_that_raises_after_the_engine_stopped_keeps_the_first_cause(monkeypatch):
+    """The stop's message names what stopped it, not a later failure while aborting (it was replaced)."""
+    engine = default_llm().engine
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=4))
+    monkeypatch.setattr(engine.scheduler, "postprocess", lambda plan, tokens, now: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        engine.step()
+    monkeypatch.setattr(engine.scheduler, "finish", lambda seq: [][0])
+    with pytest.raises(IndexError):
+        engine.abort_request("a")
+    with pytest.raises(EngineStoppedError, match="step 1 raised ZeroDivisionError.*recording the tokens it sampled"):
+        engine.step()
+
+
 def test_a_step_that_raises_before_its_moves_leaves_the_engine_usable(monkeypatch):
     """A failed forward pass changes nothing booked: the step is simply taken again."""
     llm = default_llm(**SWAPPING)

@@ -4,6 +4,7 @@ import math
 import random
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -653,7 +654,12 @@ def test_generate_returns_when_a_plugged_in_piece_aborts_one_of_its_requests(che
     policy.engine = llm.engine
     prompts = [[3 + i, 4, 5, 6, 7] for i in range(4)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
+    returned = {}
+    caller = threading.Thread(target=lambda: returned.update(outputs=llm.generate(prompts, params)), daemon=True)
+    caller.start()
+    caller.join(timeout=120)
+    assert "outputs" in returned, "generate did not return within 120 s"
+    outputs = returned["outputs"]
     reference = LLM(path, EngineConfig(block_size=4, num_gpu_blocks=64), verbose=False).generate(prompts, params)
     (aborted,) = [i for i, out in enumerate(outputs) if out.request_id in policy.aborted]
     assert outputs[aborted].finished and outputs[aborted].finish_reason == "aborted"
@@ -792,6 +798,7 @@ def test_an_abort_a_piece_asks_for_while_a_caller_aborts_ends_with_an_output_fro
     assert (out.request_id, out.finished, out.finish_reason, len(out.token_ids)) == ("g1", True, "aborted", 1)
     assert llm.metrics.num_aborted == 2 and not llm.engine.has_unfinished_requests()
     check_invariants(llm.engine)
+
 
 def test_an_abort_asked_in_the_step_a_request_finishes_in_is_too_late_and_loses_nothing(folder):
     """Aborting from inside the step that finishes the request: it has finished, so its output comes back with

@@ -321,3 +321,27 @@ def test_a_request_a_plugged_in_piece_aborts_ends_every_choice_with_abort_as_vll
         after = ended_requests(server.url, 1)
         assert after.get("kvlib:num_requests_aborted_total", 0) == 1 and after.get("vllm:request_success_total", 0) == 0
         assert settled_pools(server) == {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}
+
+
+class AbortAtTheFirstStep:
+    engine = None
+
+    def observe(self, metrics):
+        for request_id in list(self.engine._requests):
+            self.engine.abort_request(request_id)
+        return None
+
+
+def test_a_request_aborted_before_its_first_token_gives_no_time_to_first_token():
+    """Its prompt is a chunk short of done when a plugged-in piece aborts it: no token, so no TTFT (one was
+    recorded)."""
+    detector = AbortAtTheFirstStep()
+    llm = LLM("default", EngineConfig(num_gpu_blocks=32, max_num_batched_tokens=4), oversubscription_detector=detector,
+              verbose=False)
+    detector.engine = llm.engine
+    with BackgroundServer(llm, "default") as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+        out = client.completions.create(model="default", prompt="The KV cache is paged", max_tokens=8)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == ("", "abort")
+        after = ended_requests(server.url, 1)
+        assert after.get("vllm:time_to_first_token_seconds_count", 0) == 0

@@ -240,7 +240,7 @@ class Scheduler:
         starts. One gives them up before the line is asked: a sequence that preempted itself would otherwise
         take back just what it gave, and give it again the next step, for ever."""
         holders = [seq for seq in heapq.merge(self.swapped, self.waiting, key=by_arrival) if seq.block_table.blocks]
-        if not holders:
+        if not holders and out.num_preemptions:  # without a preemption, the line was asked already
             self.schedule_waiting(out, budget)
         for seq in reversed(holders):
             candidate = VictimCandidate(seq, False, False, len(seq.block_table), self.bm.unique_tail(seq),

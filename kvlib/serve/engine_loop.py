@@ -280,7 +280,7 @@ class EngineLoop:
 
     def _time_tokens(self, live: _Live, out: RequestOutput, now: float) -> None:
         counts = [len(s.token_ids) for s in out.samples]
-        if counts == live.tokens:
+        if counts == live.tokens or not any(counts):  # no token yet: aborted before its first
             return
         if live.last_token is None:
             self.observer.first_token(now - live.submitted)
