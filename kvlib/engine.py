@@ -237,13 +237,11 @@ class LLMEngine:
             self._deferred_aborts.append(request_id)
             return
         self._ready.pop(request_id, None)
-        self._deferred_aborts = []
-        try:
-            self._abort(request_id)
-        finally:
-            ended: dict[str, RequestOutput] = {}
-            self._do_deferred_aborts(ended)
-            self._ready.update(ended)
+        self._deferred_aborts = [request_id]  # the first of the aborts done now; pieces may ask for more
+        ended: dict[str, RequestOutput] = {}
+        self._do_deferred_aborts(ended)
+        ended.pop(request_id, None)  # its owner asked: nothing comes back for it
+        self._ready.update(ended)
 
     def _abort(self, request_id: str) -> Optional[RequestOutput]:
         """Finish a live request's sequences as aborted; its last output, or None if it was not live."""
