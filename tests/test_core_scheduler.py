@@ -215,18 +215,25 @@ def test_forked_samples_hold_exactly_their_own_places_in_max_num_seqs():
     assert e.requests["r"][0].status is SequenceStatus.WAITING and len(e.scheduler.running) == 4
 
 
-def test_paused_sequences_holding_blocks_give_them_up_when_nothing_else_can_run(monkeypatch):
-    """Partial preemption leaves recomputing sequences waiting with their heads on the device; here, at step 12,
-    three of them hold every block between them and none fits: the scheduler releases them all, and all finish."""
-    config = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=0, preemption_mode="swap", partial_preemption=True,
-                  max_num_batched_tokens=10, max_num_seqs=4)  # no host room: every swap falls back to recompute
-    requests = [Request([2, 2], 5, arrival=0), Request([2, 2, 4, 0, 4, 4, 1], 1, arrival=2),
-                Request([2], 10, arrival=3), Request([4, 0, 1, 3, 2], 6, n=2, arrival=4)]
+# Partial preemption leaves recomputing sequences waiting with their heads on the device; at step 12 three of them
+# hold every block between them and none fits.
+HOLDERS_CONFIG = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=0, preemption_mode="swap", partial_preemption=True,
+                      max_num_batched_tokens=10, max_num_seqs=4)  # no host room: every swap falls back to recompute
+HOLDERS_REQUESTS = [Request([2, 2], 5, arrival=0), Request([2, 2, 4, 0, 4, 4, 1], 1, arrival=2),
+                    Request([2], 10, arrival=3), Request([4, 0, 1, 3, 2], 6, n=2, arrival=4)]
 
+
+def holders_scene() -> ModelFreeEngine:
+    e = engine(**HOLDERS_CONFIG)
+    for i, request in enumerate(HOLDERS_REQUESTS):
+        e.add(f"r{i}", request)
+    return e
+
+
+def test_paused_sequences_holding_blocks_give_them_up_when_nothing_else_can_run(monkeypatch):
+    """The holders' scene: the scheduler releases them, and all finish."""
     def serve() -> tuple[ModelFreeEngine, int]:
-        e = engine(**config)
-        for i, request in enumerate(requests):
-            e.add(f"r{i}", request)
+        e = holders_scene()
         for step in range(60):
             if not e.has_unfinished():
                 return e, step
@@ -246,15 +253,9 @@ def test_paused_sequences_holding_blocks_give_them_up_when_nothing_else_can_run(
 
 
 def test_the_first_in_line_keeps_its_blocks_while_those_behind_it_give_theirs_up():
-    """The scene above at step 12: r2, oldest, cannot grow and gives up its last block; nothing runs. It keeps its
-    other three (it gave them up too, and recomputed 9 tokens where 3 were lost); r3's samples give up theirs."""
-    config = dict(block_size=2, num_gpu_blocks=6, num_cpu_blocks=0, preemption_mode="swap", partial_preemption=True,
-                  max_num_batched_tokens=10, max_num_seqs=4)
-    requests = [Request([2, 2], 5, arrival=0), Request([2, 2, 4, 0, 4, 4, 1], 1, arrival=2),
-                Request([2], 10, arrival=3), Request([4, 0, 1, 3, 2], 6, n=2, arrival=4)]
-    e = engine(**config)
-    for i, request in enumerate(requests):
-        e.add(f"r{i}", request)
+    """The holders' scene at step 12: r2, oldest, cannot grow and gives up its last block; nothing runs. It keeps
+    its other three (it gave them up too, and recomputed 9 tokens where 3 were lost); r3's samples give up theirs."""
+    e = holders_scene()
     for _ in range(12):
         e.step()
     plan = e.last_plan

@@ -591,28 +591,41 @@ def test_admission_does_not_count_room_for_the_last_tokens_kv_which_is_never_sto
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in roomy.generate(prompts[:2], params[:2])]
 
 
+class AbortsItsFirstVictim(LatestArrivalPolicy):
+    """Aborts the request of the first victim it chooses, from inside the victim choice."""
+
+    def __init__(self):
+        super().__init__()
+        self.engine, self.aborted = None, []
+
+    def select_victim(self, candidates, shortfall):
+        victim = super().select_victim(candidates, shortfall)
+        if not self.aborted:
+            self.aborted.append(victim.seq.request_id)
+            self.engine.abort_request(victim.seq.request_id)
+        return victim
+
+
+VICTIM_PROMPTS = [[3 + i, 4, 5, 6, 7] for i in range(4)]  # four requests in 10 blocks: one is preempted
+VICTIM_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def llm_aborting_its_first_victim(path):
+    policy = AbortsItsFirstVictim()
+    config = EngineConfig(block_size=4, num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode="swap", watermark=0.0)
+    llm = LLM(path, config, preemption_policy=policy, verbose=False)
+    policy.engine = llm.engine
+    return llm, policy
+
+
 def test_a_policy_that_aborts_its_victims_request_while_choosing_it_leaves_the_step_whole(checkpoint):
     """Aborting during a step (here from the victim choice) takes effect when the step ends: nothing raises,
     that step returns the request's last output, ended "aborted", and no later one returns anything for it;
     every block comes back, the others keep their tokens."""
     path = checkpoint("llama-gqa")
 
-    class AbortingPolicy(LatestArrivalPolicy):
-        engine, aborted = None, []
-
-        def select_victim(self, candidates, shortfall):
-            victim = super().select_victim(candidates, shortfall)
-            if not self.aborted:
-                self.aborted.append(victim.seq.request_id)
-                self.engine.abort_request(victim.seq.request_id)
-            return victim
-
-    policy = AbortingPolicy()
-    config = EngineConfig(block_size=4, num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode="swap", watermark=0.0)
-    llm = LLM(path, config, preemption_policy=policy, verbose=False)
-    policy.engine = llm.engine
-    prompts = [[3 + i, 4, 5, 6, 7] for i in range(4)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm, policy = llm_aborting_its_first_victim(path)
+    prompts, params = VICTIM_PROMPTS, VICTIM_PARAMS
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(f"r{i}", prompt, params)
     outputs = {}
@@ -638,22 +651,8 @@ def test_generate_returns_when_a_plugged_in_piece_aborts_one_of_its_requests(che
     request ends "aborted" with the tokens it had, every other one keeps its tokens."""
     path = checkpoint("llama-gqa")
 
-    class AbortingPolicy(LatestArrivalPolicy):
-        engine, aborted = None, []
-
-        def select_victim(self, candidates, shortfall):
-            victim = super().select_victim(candidates, shortfall)
-            if not self.aborted:
-                self.aborted.append(victim.seq.request_id)
-                self.engine.abort_request(victim.seq.request_id)
-            return victim
-
-    policy = AbortingPolicy()
-    config = EngineConfig(block_size=4, num_gpu_blocks=10, num_cpu_blocks=16, preemption_mode="swap", watermark=0.0)
-    llm = LLM(path, config, preemption_policy=policy, verbose=False)
-    policy.engine = llm.engine
-    prompts = [[3 + i, 4, 5, 6, 7] for i in range(4)]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm, policy = llm_aborting_its_first_victim(path)
+    prompts, params = VICTIM_PROMPTS, VICTIM_PARAMS
     returned = {}
     caller = threading.Thread(target=lambda: returned.update(outputs=llm.generate(prompts, params)), daemon=True)
     caller.start()

@@ -290,14 +290,15 @@ def test_stream_options_without_streaming_is_refused(server):
     assert "send stream: true" in reply.json()["error"]["message"] and reply.json()["error"]["code"] == "invalid_value"
 
 
-class AbortAfterTwoTokens:
-    """A plugged-in piece that aborts every request once it has two tokens: its client is still there."""
+class AbortsRequests:
+    """A plugged-in piece that aborts every request once it has ``after_tokens`` tokens: its client is still there."""
 
-    engine = None
+    def __init__(self, after_tokens: int):
+        self.engine, self.after_tokens = None, after_tokens
 
     def observe(self, metrics):
         for request_id, seqs in list(self.engine._requests.items()):
-            if len(seqs[0].output_token_ids) >= 2:
+            if len(seqs[0].output_token_ids) >= self.after_tokens:
                 self.engine.abort_request(request_id)
         return None
 
@@ -306,7 +307,7 @@ class AbortAfterTwoTokens:
 def test_a_request_a_plugged_in_piece_aborts_ends_every_choice_with_abort_as_vllm_says(stream):
     """Each of its n choices ends, finish reason "abort" (a non-streamed reply got a 499, a stream never ended
     its second choice), and /metrics counts the request once, as aborted."""
-    detector = AbortAfterTwoTokens()
+    detector = AbortsRequests(after_tokens=2)
     llm = LLM("default", EngineConfig(num_gpu_blocks=32), oversubscription_detector=detector, verbose=False)
     detector.engine = llm.engine
     with BackgroundServer(llm, "default") as server, \
@@ -323,19 +324,10 @@ def test_a_request_a_plugged_in_piece_aborts_ends_every_choice_with_abort_as_vll
         assert settled_pools(server) == {"unfinished": False, "device_blocks_held": 0, "host_blocks_held": 0}
 
 
-class AbortAtTheFirstStep:
-    engine = None
-
-    def observe(self, metrics):
-        for request_id in list(self.engine._requests):
-            self.engine.abort_request(request_id)
-        return None
-
-
 def test_a_request_aborted_before_its_first_token_gives_no_time_to_first_token():
     """Its prompt is a chunk short of done when a plugged-in piece aborts it: no token, so no TTFT (one was
     recorded)."""
-    detector = AbortAtTheFirstStep()
+    detector = AbortsRequests(after_tokens=0)
     llm = LLM("default", EngineConfig(num_gpu_blocks=32, max_num_batched_tokens=4), oversubscription_detector=detector,
               verbose=False)
     detector.engine = llm.engine
