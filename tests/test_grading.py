@@ -20,6 +20,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from fence import without_the_fence
+
 from kvlib.course.grading import Task, close, raised, same
 from kvlib.course.grading.checks import FEEDBACK_SEED, observe, verdict
 from kvlib.course.grading.extract import extract, load
@@ -244,7 +246,8 @@ def graded_class(tmp_path_factory):
          '        """NEVER if the blocks could never fit above the watermark, OK if they fit now, else LATER."""\n'
          '        while True:\n            pass\n')])
     started = time.monotonic()
-    reports = grade_folder(folder, jobs=2, limits=Limits(check_scale=0.25, submission_s=400), seed=2024)
+    with without_the_fence():  # the sandbox's walls, each on its own: tests/test_grading_reach.py has the fence
+        reports = grade_folder(folder, jobs=2, limits=Limits(check_scale=0.25, submission_s=400), seed=2024)
     took = time.monotonic() - started
     write_gradebook(reports, gradebook)
     written = gradebook.read_text()
@@ -432,7 +435,8 @@ def test_a_reply_nested_too_deep_to_read_fails_its_check_and_grading_goes_on():
     source = ("import os\nclass MyBlockAllocator:\n    def __init__(self, n):\n"
               "        os.write(3, b'{\"status\": \"observed\", \"observation\": ' + b'[' * 100000 + b']' * 100000"
               " + b'}\\n')\n        raise SystemExit\n")
-    graded = grade_cells("lab02", [source, TABLE], Limits(submission_s=60), seed=1)
+    with without_the_fence():
+        graded = grade_cells("lab02", [source, TABLE], Limits(submission_s=60), seed=1)
     first = graded.tasks[0].checks[0]
     assert first.status == CRASHED and "nested too deep" in first.message, first
     assert graded.tasks[1].points == 0 and graded.tasks[1].checks[0].status == NOT_IMPLEMENTED

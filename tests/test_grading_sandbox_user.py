@@ -81,3 +81,33 @@ def test_a_python_below_tmp_is_seen_in_the_sandbox(monkeypatch, tmp_path, hand_o
     shown = subprocess.run([*sandbox._bwrap_arguments(stubbed_tree(()), hand_over), sys.executable, "-c",
                             f"print(open('{installed}/marker').read())"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and shown.stdout.strip() == "seen", shown.stderr
+
+
+@pytest.mark.skipif(isolation() is not None, reason=f"grading is not isolated here: {isolation()}")
+def test_bubblewrap_found_outside_the_system_folders_still_starts_the_sandbox(monkeypatch, tmp_path):
+    """A bwrap on the grader's PATH only (a conda environment, ~/.local/bin) zeroed every submission: the sandbox's
+    command ran with a PATH of the system's folders, where no bwrap is."""
+    own = tmp_path / "bin"
+    own.mkdir()
+    (own / "bwrap").symlink_to(shutil.which("bwrap"))
+    monkeypatch.setenv("PATH", f"{own}{os.pathsep}{os.environ['PATH']}")
+    command, env = sandbox_command(stubbed_tree(()))
+    assert command[0] == str(own / "bwrap")
+    assert sandbox_users(command, env)[0] == NOBODY
+
+
+@pytest.mark.skipif(isolation() is not None, reason=f"grading is not isolated here: {isolation()}")
+def test_the_class_folder_is_not_seen_from_the_sandbox(monkeypatch, tmp_path):
+    """``python -m kvlib.cli grade .`` (what ``grade_here()`` runs) puts the class folder on ``sys.path``: bound as one
+    of Python's folders, it let a submission read a classmate's notebook."""
+    classmate = tmp_path / "alice.ipynb"
+    classmate.write_text("{}")
+    tmp_path.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert not any(str(tmp_path).startswith(root) for root in sandbox._python_roots() if root not in ("/", "/tmp"))
+    seen = subprocess.run([*sandbox._bwrap_arguments(stubbed_tree(()), sandbox._hands_over()), sys.executable, "-c",
+                           f"import os; print(os.path.exists({str(classmate)!r}))"],
+                          capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0 and seen.stdout.strip() == "False", seen.stderr

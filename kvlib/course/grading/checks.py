@@ -170,6 +170,11 @@ class Task:
         """Register ``scenario`` as the check ``name``: for checks made from a table's rows."""
         self.checks.append(Check(name, points, hint, scenario, compare, limit_s))
 
+    def breaches(self, statements: list) -> list[str]:
+        """What in the graded statements breaks every lab's rule (``reach_rule``) or this task's own."""
+        from kvlib.course.grading.reach_rule import reaches
+        return reaches(statements) + (self.rule(statements) if self.rule is not None else [])
+
     def named(self, check: str) -> Check:
         return next(c for c in self.checks if c.name == check)
 
@@ -181,10 +186,9 @@ class Task:
 
     def grade(self, piece: Any) -> TaskResult:
         """Feedback inside the notebook: every check on ``piece`` against kvlib's own, a line per check."""
-        if self.rule is not None:
-            from kvlib.course.grading.kernel_rule import source_of
-            for breach in self.rule(source_of(piece)):
-                print(f"FAIL {self.name}: when graded, every check of this task fails: {breach}")
+        from kvlib.course.grading.reach_rule import source_of
+        for breach in self.breaches(source_of(piece)):
+            print(f"FAIL {self.name}: when graded, every check of this task fails: {breach}")
         result = TaskResult(self.name, self.verdicts(piece, FEEDBACK_SEED))
         for check in result.checks:
             print(_line(self.name, check))

@@ -5,22 +5,22 @@ a kernel a torch-computed answer as an integer address. So the rule is also chec
 learner's code never runs: in the definitions the grader extracted, outside ``@triton.jit``
 functions, nothing computes attention in torch (softmax, exp, matrix products), nothing hands a
 kernel an address (``data_ptr``, pointer casts, inside kernels too), nothing reaches around the
-code's own names (``getattr``, ``sys.modules``, ``eval``), and imports are the lab's own list.
+code's own names (``reach_rule``, every lab's), and imports are the lab's own list.
 A breach fails every check of the task and is reported to the instructor.
 """
 from __future__ import annotations
 
 import ast
-import inspect
 import re
-import textwrap
 
 ALLOWED_IMPORTS = ("torch", "triton", "functools", "math", "typing", "__future__", "dataclasses", "itertools")
 TORCH_ATTENTION = {"softmax", "log_softmax", "exp", "exp2", "matmul", "bmm", "baddbmm", "mm", "einsum", "tensordot",
-                   "scaled_dot_product_attention", "linear", "functional"}
+                   "scaled_dot_product_attention", "linear", "functional",
+                   # the same attention built from elementwise products and reductions
+                   "sum", "amax", "amin", "mean", "prod", "cumsum", "logsumexp", "sigmoid", "pow", "mul", "multiply",
+                   "div", "divide", "true_divide", "square", "dot", "vdot", "inner", "outer", "mv", "addmm", "addmv",
+                   "norm", "reduce"}
 ADDRESSES = {"data_ptr", "pointer_type", "int_to_ptr", "untyped_storage", "from_address"}
-REACHING = {"getattr", "setattr", "delattr", "vars", "globals", "locals", "eval", "exec", "compile", "__import__",
-            "__dict__", "modules", "importlib", "ctypes", "gc"}
 
 
 def breaches(statements) -> list[str]:
@@ -32,26 +32,24 @@ def breaches(statements) -> list[str]:
                    for n in ast.walk(n)}
         for node in ast.walk(tree):
             name, where = _name(node), _where(statement, node)
-            matmul = isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult)
+            operator = isinstance(node, ast.BinOp) and ("@" if isinstance(node.op, ast.MatMult) else
+                                                        "**" if _power_of_a_value(node) else None)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
                 found += [f"{where}: imports {n}; the lab allows torch, triton, functools and math"
                           for n in names if n.split(".")[0] not in ALLOWED_IMPORTS]
-            elif name in ADDRESSES or name in REACHING:
+            elif name in ADDRESSES:
                 found.append(f"{where}: uses {name}; a kernel reads its inputs as tensors, through its own names")
-            elif id(node) not in kernels and (name in TORCH_ATTENTION or matmul):
-                found.append(f"{where}: computes {name or '@'} in torch, outside a @triton.jit kernel; the "
+            elif id(node) not in kernels and (name in TORCH_ATTENTION or operator):
+                found.append(f"{where}: computes {name or operator} in torch, outside a @triton.jit kernel; the "
                              f"attention must be your kernel's")
     return sorted(set(found), key=lambda text: [int(n) for n in re.findall(r"\d+", text.split(":")[0])])
 
 
-def source_of(function) -> list:
-    """The feedback's statements: ``function``'s own source where Python can find it (cells in Jupyter do)."""
-    from kvlib.course.grading.extract import Statement
-    try:
-        return [Statement(0, function.__code__.co_firstlineno, textwrap.dedent(inspect.getsource(function)))]
-    except (AttributeError, OSError, TypeError):
-        return []
+def _power_of_a_value(node: ast.BinOp) -> bool:
+    """``x ** y`` with ``y`` computed (``math.e ** scores`` is exp); ``d ** -0.5`` is not."""
+    exponent = node.right.operand if isinstance(node.right, ast.UnaryOp) else node.right
+    return isinstance(node.op, ast.Pow) and not isinstance(exponent, ast.Constant)
 
 
 def _where(statement, node: ast.AST) -> str:

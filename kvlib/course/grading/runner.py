@@ -102,7 +102,7 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
         if extracted.problems:
             results[task.name] = task.zero(NOT_GRADED, "; ".join(extracted.problems))
             continue
-        if task.rule is not None and (broken := task.rule(extracted.statements)):
+        if broken := task.breaches(extracted.statements):
             results[task.name] = task.zero(FAIL, f"the rule of the task is broken: {'; '.join(broken[:3])}")
             rule_flags.append(f"{task.name}: scored 0, its rule is broken: {'; '.join(broken)}")
             continue

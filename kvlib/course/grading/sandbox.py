@@ -257,8 +257,9 @@ OWN_MOUNTS = {"/proc": ["--proc"], "/dev": ["--dev"], "/tmp": ["--perms", "1777"
 def _bwrap_arguments(tree: Path, hand_over: bool) -> list[str]:
     """Namespaces and a read-only view of this Python and ``tree`` (seen at /grading), nothing else of the disk;
     with ``hand_over``, built by root and run by nobody (``ROOT_NAMESPACES``), else in user namespaces."""
-    args = ["bwrap", *(ROOT_NAMESPACES if hand_over else USER_NAMESPACES), "--die-with-parent", "--new-session",
-            "--hostname", "sandbox"]
+    # bubblewrap as the grader finds it: the sandbox's command runs with a PATH of the system's folders only
+    args = [shutil.which("bwrap") or "bwrap", *(ROOT_NAMESPACES if hand_over else USER_NAMESPACES), "--die-with-parent",
+            "--new-session", "--hostname", "sandbox"]
     binds = [(system, system) for system in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc/alternatives",
                                              "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/passwd",
                                              "/etc/group", "/etc/localtime", "/sys") if os.path.exists(system)]
@@ -283,9 +284,13 @@ def _bwrap_arguments(tree: Path, hand_over: bool) -> list[str]:
 
 def _python_roots() -> list[str]:
     """The folders this interpreter and its packages live in, outermost first, never kvlib's own checkout
-    (where the course's solutions and tests are) nor the working directory."""
+    (where the course's solutions and tests are), nor the working directory, the running script's folder or
+    a folder on PYTHONPATH: ``python -m kvlib.cli grade .`` puts the class folder itself on ``sys.path``."""
     candidates = {sys.base_prefix, sys.prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    candidates |= {p for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p)}
+    not_python = {os.path.realpath(p) for p in [os.getcwd(), sys.path[0], *os.environ.get("PYTHONPATH", "").split(
+        os.pathsep)] if p}
+    candidates |= {p for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p)
+                   and os.path.realpath(p) not in not_python}
     checkout = PACKAGE.parent
     installed = checkout.name in ("site-packages", "dist-packages")  # a wheel's kvlib: overlaid, see above
     roots = sorted({os.path.realpath(p) for p in candidates} | candidates, key=len)
