@@ -517,3 +517,18 @@ def test_grading_from_inside_the_notebook_warns_about_unsaved_edits(tmp_path, mo
     monkeypatch.delenv("JPY_SESSION_NAME", raising=False)
     with pytest.raises(RuntimeError, match="grade_here\\('labs/lab02_allocator.ipynb'\\)"):
         grade_here()
+
+
+def test_an_exit_fails_its_own_check_and_an_os_exit_is_named():
+    """Both were "died (out of memory, or a hard crash)": sys.exit() in a method ended the sandbox's process."""
+    allocator = "class MyBlockAllocator:\n    def __init__(self, n):\n        self.num_blocks = n\n\n    @property\n" \
+                "    def num_free(self):\n        {ends}\n"
+    with without_the_fence():  # os is refused before any sandbox starts; this is the sandbox's own report
+        exits = grade_cells("lab02", [allocator.format(ends="raise SystemExit(2)")], Limits(submission_s=60), seed=1)
+        os_exits = grade_cells("lab02", ["import os\n" + allocator.format(ends="os._exit(3)")], Limits(submission_s=60),
+                               seed=1)
+    first, second = exits.tasks[0].checks[:2]
+    assert first.status == FAIL and "SystemExit(2)" in first.message and "sys.exit()" in first.message, first
+    assert second.status == FAIL and "allocate" in second.message, second  # the process went on
+    assert os_exits.tasks[0].checks[0].status == CRASHED
+    assert "exited with status 3" in os_exits.tasks[0].checks[0].message, os_exits.tasks[0].checks[0]

@@ -233,6 +233,9 @@ def observe(check: Check, piece: Any, seed: int) -> Observed:
         return Observed(FAIL, message=str(exc))
     except Exception as exc:  # noqa: BLE001 - the learner's bug fails this check only
         return Observed(FAIL, message=f"raised {type(exc).__name__}: {exc}{_where(exc)}")
+    except SystemExit as exc:  # it would end the process running the checks, and every later check with it
+        return Observed(FAIL, message=f"raised SystemExit({exc.code!r}){_where(exc)}: exit() or sys.exit() ends the "
+                                      f"process the checks run in; return, or raise an error, instead")
 
 
 def verdict(check: Check, yours: Observed, reference: Observed) -> CheckResult:

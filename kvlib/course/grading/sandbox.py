@@ -99,12 +99,24 @@ class Sandbox:
             self.close()
             raise Crashed(f"still running after {limit_s:.3g} s; look for a loop that never ends", TIMED_OUT) from None
         except EOFError:
+            status = self._exit_status()
             self.close()
-            raise Crashed("the process running your code died (out of memory, or a hard crash) during this check") \
-                from None
+            raise Crashed(f"the process running your code ended during this check ({status})") from None
         except ValueError as exc:
             self.close()
             raise Crashed(f"the process running your code sent something that is not a reply ({exc})") from None
+
+    def _exit_status(self) -> str:
+        """Why the sandbox's process ended, from its exit status (a shell or bubblewrap reports a signal as 128 + it)."""
+        try:
+            code = self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return "its output closed; out of memory, or a hard crash"
+        signal_number = -code if code < 0 else code - 128 if code > 128 else None
+        if signal_number is not None:
+            name = signal.Signals(signal_number).name if signal_number in set(signal.Signals) else signal_number
+            return f"killed by {name}: out of memory, the process limit, or a hard crash"
+        return f"it exited with status {code}: look for os._exit() in your code"
 
     def close(self) -> None:
         """Kill the process and every process it started (its own session, and its own PID namespace)."""
