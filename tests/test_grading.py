@@ -73,6 +73,10 @@ def test_comparisons_name_what_differs():
     assert same({"a": [1, 3]}, {"a": [1, 2]}) == "a: yours is [1, 3], kvlib's is [1, 2]"
     assert same({}, {"a": 1}) == "a: nothing observed"
     assert same(True, 1) is not None  # a bool is not a count
+    # too long to show whole (lab 10's traces were cut where they still agreed): where the two part
+    trace, other = [[i, i + 1] for i in range(60)], [[i, i + 1] for i in range(60)]
+    other[41] = [41, 43]
+    assert same({"trace": other}, {"trace": trace}) == "trace, item 41 of 60: yours is [41, 43], kvlib's is [41, 42]"
     within = close(1e-3, 0)
     assert within({"out": [[1.0, 2.0]]}, {"out": [[1.0, 2.0005]]}) is None
     assert "1 of 2 values differ" in within({"out": [[1.0, 2.1]]}, {"out": [[1.0, 2.0]]})

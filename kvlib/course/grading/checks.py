@@ -94,9 +94,17 @@ def _walk(yours: Any, reference: Any, path: str, leaf: Callable[[Any, Any, str],
 
 
 def _exactly(yours: Any, reference: Any, path: str) -> Optional[str]:
-    if yours != reference or type(yours) is not type(reference) and not _both_numbers(yours, reference):
+    if not _equal(yours, reference):
+        first = next((i for i, (a, b) in enumerate(zip(yours, reference)) if not _equal(a, b)), None) \
+            if isinstance(yours, list) and isinstance(reference, list) and len(yours) == len(reference) else None
+        if first is not None and len(repr(reference)) > SHORT:  # too long to read whole: where they part
+            return _exactly(yours[first], reference[first], f"{path or 'result'}, item {first} of {len(reference)}")
         return f"{path or 'result'}: yours is {_short(yours)}, kvlib's is {_short(reference)}"
     return None
+
+
+def _equal(yours: Any, reference: Any) -> bool:
+    return yours == reference and (type(yours) is type(reference) or _both_numbers(yours, reference))
 
 
 def _at(path: str, key: Any) -> str:
@@ -124,7 +132,10 @@ def _flat(value: Any) -> Optional[list[float]]:
     return None
 
 
-def _short(value: Any, limit: int = 160) -> str:
+SHORT = 160  # characters of an observation a message shows
+
+
+def _short(value: Any, limit: int = SHORT) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 5] + " ...]"
 
