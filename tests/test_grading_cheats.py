@@ -172,3 +172,85 @@ def test_a_reply_of_decisions_is_shape_checked():
     assert reply_to_observed({"status": DECIDED, "decisions": [1, 2]}) == Observed(DECIDED, [1, 2])
     with pytest.raises(ValueError):
         reply_to_observed({"status": DECIDED, "observation": [1]})
+
+
+class CarelessAllocator:
+    """Refuses nothing: a double free, an unowned id and an empty pool all pass silently (or as IndexError)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks, self.free_ids, self.counts = num_blocks, list(range(num_blocks)), [0] * num_blocks
+
+    num_free = property(lambda self: len(self.free_ids))
+    num_used = property(lambda self: self.num_blocks - len(self.free_ids))
+
+    def ref_count(self, block_id):
+        return self.counts[block_id]
+
+    def can_allocate(self, num_blocks, watermark_blocks=0):
+        from kvlib.core.block_allocator import AllocStatus
+        if num_blocks > self.num_blocks - watermark_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if self.num_free - num_blocks >= watermark_blocks else AllocStatus.LATER
+
+    def allocate(self):
+        block = self.free_ids.pop(0)
+        self.counts[block] = 1
+        return block
+
+    def fork(self, block_id):
+        self.counts[block_id] += 1
+        return block_id
+
+    def free(self, block_id):
+        self.counts[block_id] -= 1
+        if self.counts[block_id] == 0:
+            self.free_ids.append(block_id)
+
+
+def test_lab_02s_answers_are_measured_by_the_grader_so_a_rebound_raised_gains_nothing(monkeypatch):
+    """A submission rebound lab 02's ``raised`` in the sandbox to name BlockAllocatorError whatever happened, and the
+    careless allocator's double-free check passed: its observation was made in the sandbox. Now the sandbox sends the
+    allocator's answers (what it returned or raised, call by call) and the grader observes them itself."""
+    from kvlib.course.grading import lab02
+    from kvlib.course.grading.decisions import decided
+    check = lab02.allocator.named("double_free_raises")
+    reference = observe(check, lab02.allocator.reference(), 11)
+    with monkeypatch.context() as sandbox:
+        sandbox.setattr(lab02, "raised", lambda action: "BlockAllocatorError")
+        forged = observe(check, CarelessAllocator, 11)
+        sent = decided(lab02.allocator, check, CarelessAllocator, 11)
+    assert verdict(check, forged, reference).status == PASS  # the cheat is real where the sandbox observes
+    assert sent.status == DECIDED
+    assert verdict(check, measured(lab02.allocator, check, sent, 11), reference).status == FAIL
+
+
+def test_answers_that_part_from_the_graders_questions_fail_the_check():
+    from kvlib.course.grading import lab02
+    from kvlib.course.grading.decisions import decided
+    check = lab02.allocator.named("refcount")
+    sent = decided(lab02.allocator, check, CarelessAllocator, 3)
+    assert measured(lab02.allocator, check, sent, 3).status == "observed"
+    swapped = Observed(DECIDED, [[n, "allocate" if name == "fork" else name, answer] for n, name, answer in
+                                 sent.observation])
+    assert measured(lab02.allocator, check, swapped, 3).status == FAIL
+    lying = Observed(DECIDED, [[n, name, {"stand_in": "an int that equals anything", "truthy": True}]
+                               if name == "ref_count" else [n, name, answer] for n, name, answer in sent.observation])
+    assert verdict(check, measured(lab02.allocator, check, lying, 3),
+                   observe(check, lab02.allocator.reference(), 3)).status == FAIL
+
+
+def test_an_allocator_answering_numpy_integers_is_measured_by_their_values():
+    """Honest, and usable by the engine in the sandbox: the grader's replay must index with them too."""
+    import numpy as np
+
+    from kvlib.course.grading import lab02
+    from kvlib.course.grading.decisions import decided
+
+    class NumpyIds(CarelessAllocator):
+        def allocate(self):
+            return np.int64(super().allocate())
+
+    check = lab02.allocator.named("free_returns_block")
+    sent = decided(lab02.allocator, check, NumpyIds, 5)
+    assert verdict(check, measured(lab02.allocator, check, sent, 5),
+                   observe(check, lab02.allocator.reference(), 5)).status == PASS

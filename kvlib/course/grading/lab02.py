@@ -12,7 +12,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+from kvlib import interfaces
+from kvlib.core.block_allocator import AllocStatus, BlockAllocatorError
 from kvlib.course.grading.checks import Task, raised
+from kvlib.course.grading.decisions import calls_to
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
 
@@ -21,9 +24,12 @@ TABLE = tuple(f"kvlib.core.block_table:BlockTable.{m}" for m in ("capacity", "nu
                                                               "pop_tail"))
 
 
-allocator = Task("allocator", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]))
+# The allocator's answers come back from the sandbox call by call, and the grader measures them in its own
+# scenarios and engine runs: the bookkeeping checks run where the learner's code cannot reach (decisions.py).
+ANSWERS = calls_to(interfaces.BlockAllocator, enums=(AllocStatus,), errors=(BlockAllocatorError,))
+allocator = Task("allocator", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]), decisions=ANSWERS)
 block_table = Task("block_table", ("MyBlockTable",), TABLE, kvlibs_own("kvlib.core.block_table:BlockTable"))
-engine = Task("engine", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]))
+engine = Task("engine", ("MyBlockAllocator",), ALLOCATOR, kvlibs_own(ALLOCATOR[0]), decisions=ANSWERS)
 TASKS = [allocator, block_table, engine]
 check_allocator, check_block_table, check_engine = allocator.grade, block_table.grade, engine.grade
 
