@@ -105,7 +105,9 @@ class StepChecks:
                 data = pool.data[entry.block_id]
                 if key not in self.fingerprints:
                     self.fingerprints[key] = data.clone()
-                elif not torch.allclose(self.fingerprints[key], data, rtol=0, atol=1e-5):  # recomputed the same: equal
+                # Recomputed the same, but maybe in a chunk of another shape: a partially preempted sequence takes its
+                # own just-released cached block back and recomputes it under the same name (1.1e-5 apart, float32).
+                elif not torch.allclose(self.fingerprints[key], data, rtol=0, atol=1e-4):
                     raise InvariantError(f"{name} block {entry.block_id}, cached for its prefix, changed its K/V")
         live = {(name, entry.block_id, entry.name) for name, tier, _ in tiers for entry in tier or ()}
         self.fingerprints = {k: v for k, v in self.fingerprints.items() if k in live}
