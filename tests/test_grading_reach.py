@@ -50,6 +50,13 @@ def test_reaching_is_named_with_its_line(source, named):
     assert all(line.startswith("code cell 3, line ") for line in found)
 
 
+def test_a_name_imported_in_one_cell_is_an_import_in_every_other():
+    found = reaches([Statement(1, 1, "from kvlib.core import invariants as inv\n"),
+                     Statement(2, 1, "def quiet():\n    inv.check_invariants = print\n")])
+    assert found == ["code cell 2, line 2: changes inv.check_invariants, reached through inv: graded code may change "
+                     "only its own objects"]
+
+
 def test_honest_code_reaches_nothing():
     source = """
         from __future__ import annotations

@@ -41,10 +41,10 @@ DUNDERS_NOT_DEFINED = {"__torch_function__", "__torch_dispatch__", "__instancech
 def reaches(statements) -> list[str]:
     """Where the graded definitions reach outside their own objects: one line each, naming the cell and line."""
     found: list[str] = []
-    for statement in statements:
-        tree = ast.parse(statement.source)
-        imported = {(alias.asname or alias.name).split(".")[0] for node in ast.walk(tree)
-                    if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    trees = [(statement, ast.parse(statement.source)) for statement in statements]
+    imported = {(alias.asname or alias.name).split(".")[0] for _, tree in trees for node in ast.walk(tree)
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}  # one namespace: every cell's
+    for statement, tree in trees:
         for node, offset in _nodes(tree):
             found += [f"{_where(statement, node, offset)}: {why}" for why in _breaches(node, imported)]
     return sorted(set(found), key=lambda text: [int(n) for n in re.findall(r"\d+", text.split(":")[0])])
