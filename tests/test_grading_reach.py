@@ -116,7 +116,7 @@ def test_attention_from_elementwise_products_outside_a_kernel_breaks_lab_03s_rul
 
 
 def test_a_submission_that_rewrites_its_grader_scores_0_and_is_flagged():
-    """Before the rule: 20/20 for an allocator whose honest score is 17, its class body rebinding lab 02's ``raised``."""
+    """Before the rule: 20/20 for an allocator whose honest score is 17, its class body rebinding lab 02's raised."""
     cheat = textwrap.dedent("""
         from collections import deque
         from kvlib.core.block_allocator import AllocStatus, BlockAllocatorError

@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from kvlib.course.grading import reach_rule
 from kvlib.course.grading.results import FAIL, NOT_IMPLEMENTED, PASS, CheckResult, TaskResult
 
 DEFAULT_LIMIT_S = 60.0  # seconds a check may run in the sandbox before the grader stops it
@@ -183,8 +184,7 @@ class Task:
 
     def breaches(self, statements: list) -> list[str]:
         """What in the graded statements breaks every lab's rule (``reach_rule``) or this task's own."""
-        from kvlib.course.grading.reach_rule import reaches
-        return reaches(statements) + (self.rule(statements) if self.rule is not None else [])
+        return reach_rule.reaches(statements) + (self.rule(statements) if self.rule is not None else [])
 
     def named(self, check: str) -> Check:
         return next(c for c in self.checks if c.name == check)
@@ -197,8 +197,7 @@ class Task:
 
     def grade(self, piece: Any) -> TaskResult:
         """Feedback inside the notebook: every check on ``piece`` against kvlib's own, a line per check."""
-        from kvlib.course.grading.reach_rule import source_of
-        for breach in self.breaches(source_of(piece)):
+        for breach in self.breaches(reach_rule.source_of(piece)):
             print(f"FAIL {self.name}: when graded, every check of this task fails: {breach}")
         result = TaskResult(self.name, self.verdicts(piece, FEEDBACK_SEED))
         for check in result.checks:

@@ -4,9 +4,10 @@ A check whose comparison is one-sided ("costs no more than kvlib's") or whose ob
 same for every correct answer can be passed by forging the observation: the scenario runs in the
 sandbox after the learner's code has loaded, and that code can rewrite it. For such tasks the
 sandbox sends back only what the learner's piece decided, call by call (which candidate, which
-warning, what an allocator answered or raised), as plain data. The grader then runs the scenario itself, on its own inputs, with a piece
-of its own that answers each call with the learner's recorded decision (:class:`Decisions`), and
-measures the outcome. A forged list of decisions is graded as the policy that would make them.
+warning, what an allocator answered or raised), as plain data. The grader then runs the scenario
+itself, on its own inputs, with a piece of its own that answers each call with the learner's
+recorded decision (:class:`Decisions`), and measures the outcome. A forged list of decisions is
+graded as the policy that would make them.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ A breach fails every check of the task and is reported to the instructor.
 from __future__ import annotations
 
 import ast
-import re
+
+from kvlib.course.grading.reach_rule import importable, in_line_order, where
 
 ALLOWED_IMPORTS = ("torch", "triton", "functools", "math", "typing", "__future__", "dataclasses", "itertools")
 TORCH_ATTENTION = {"softmax", "log_softmax", "exp", "exp2", "matmul", "bmm", "baddbmm", "mm", "einsum", "tensordot",
@@ -31,30 +32,25 @@ def breaches(statements) -> list[str]:
         kernels = {id(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and _is_jit(n)
                    for n in ast.walk(n)}
         for node in ast.walk(tree):
-            name, where = _name(node), _where(statement, node)
+            name, at = _name(node), where(statement, node)
             operator = isinstance(node, ast.BinOp) and ("@" if isinstance(node.op, ast.MatMult) else
                                                         "**" if _power_of_a_value(node) else None)
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
-                found += [f"{where}: imports {n}; the lab allows torch, triton, functools and math"
-                          for n in names if n.split(".")[0] not in ALLOWED_IMPORTS]
+                found += [f"{at}: imports {n}; the lab allows torch, triton, functools and math" for n in names
+                          if n.split(".")[0] not in ALLOWED_IMPORTS and importable(n)]  # the others: reach_rule says
             elif name in ADDRESSES:
-                found.append(f"{where}: uses {name}; a kernel reads its inputs as tensors, through its own names")
+                found.append(f"{at}: uses {name}; a kernel reads its inputs as tensors, through its own names")
             elif id(node) not in kernels and (name in TORCH_ATTENTION or operator):
-                found.append(f"{where}: computes {name or operator} in torch, outside a @triton.jit kernel; the "
+                found.append(f"{at}: computes {name or operator} in torch, outside a @triton.jit kernel; the "
                              f"attention must be your kernel's")
-    return sorted(set(found), key=lambda text: [int(n) for n in re.findall(r"\d+", text.split(":")[0])])
+    return in_line_order(found)
 
 
 def _power_of_a_value(node: ast.BinOp) -> bool:
     """``x ** y`` with ``y`` computed (``math.e ** scores`` is exp); ``d ** -0.5`` is not."""
     exponent = node.right.operand if isinstance(node.right, ast.UnaryOp) else node.right
     return isinstance(node.op, ast.Pow) and not isinstance(exponent, ast.Constant)
-
-
-def _where(statement, node: ast.AST) -> str:
-    line = statement.first_line + getattr(node, "lineno", 1) - 1
-    return f"code cell {statement.cell}, line {line}" if statement.cell else f"line {line} of your code"
 
 
 def _is_jit(function: ast.FunctionDef) -> bool:

@@ -42,12 +42,23 @@ def reaches(statements) -> list[str]:
     """Where the graded definitions reach outside their own objects: one line each, naming the cell and line."""
     found: list[str] = []
     trees = [(statement, ast.parse(statement.source)) for statement in statements]
-    imported = {(alias.asname or alias.name).split(".")[0] for _, tree in trees for node in ast.walk(tree)
-                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}  # one namespace: every cell's
+    imported = {(alias.asname or alias.name).split(".")[0] for _, tree in trees for node in ast.walk(tree)  # every
+                if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}  # cell's: one namespace
     for statement, tree in trees:
         for node, offset in _nodes(tree):
-            found += [f"{_where(statement, node, offset)}: {why}" for why in _breaches(node, imported)]
+            found += [f"{where(statement, node, offset)}: {why}" for why in _breaches(node, imported)]
+    return in_line_order(found)
+
+
+def in_line_order(found: list[str]) -> list[str]:
+    """Breaches once each, by cell and line (each begins with :func:`where`'s text)."""
     return sorted(set(found), key=lambda text: [int(n) for n in re.findall(r"\d+", text.split(":")[0])])
+
+
+def where(statement, node: ast.AST, offset: int = 0) -> str:
+    """The cell and line of ``node`` in the notebook (``offset``: the line of the string annotation it came from)."""
+    line = statement.first_line + offset + getattr(node, "lineno", 1) - 1
+    return f"code cell {statement.cell}, line {line}" if statement.cell else f"line {line} of your code"
 
 
 def source_of(function) -> list:
@@ -75,7 +86,7 @@ def _breaches(node: ast.AST, imported: set[str]) -> list[str]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
         return [f"imports {m}; graded code may import {', '.join(sorted(ALLOWED_MODULES - {'__future__'}))}, "
-                f"never kvlib.course" for m in modules if not _importable(m)]
+                f"never kvlib.course" for m in modules if not importable(m)]
     if isinstance(node, ast.Name) and (node.id in REACHING_NAMES or _dunder(node.id) and node.id != "__name__"
                                        and not isinstance(node.ctx, ast.Store)):  # defining __slots__ is fine
         return [f"uses {node.id}, which reaches objects by name or runs text as code; use your own names"]
@@ -91,7 +102,8 @@ def _breaches(node: ast.AST, imported: set[str]) -> list[str]:
             for t in _targets(node) if _root(t)[0] in imported | {"type"}]  # type(x).f = ...: x's class, not yours
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
+    """Whether every lab lets graded code import ``module`` (a lab's own rule may allow less)."""
     return module.split(".")[0] in ALLOWED_MODULES and not any(
         module == f or module.startswith(f + ".") for f in FORBIDDEN_MODULES) and not any(
         part.startswith("_") for part in module.split(".")[1:])
@@ -124,8 +136,3 @@ def _targets(node: ast.AST) -> list[ast.AST]:
         return []
     return [t for target in targets for t in ast.walk(target) if isinstance(t, (ast.Attribute, ast.Subscript))
             and isinstance(t.ctx, (ast.Store, ast.Del))]
-
-
-def _where(statement, node: ast.AST, offset: int) -> str:
-    line = statement.first_line + offset + getattr(node, "lineno", 1) - 1
-    return f"code cell {statement.cell}, line {line}" if statement.cell else f"line {line} of your code"

@@ -107,7 +107,7 @@ class Sandbox:
             raise Crashed(f"the process running your code sent something that is not a reply ({exc})") from None
 
     def _exit_status(self) -> str:
-        """Why the sandbox's process ended, from its exit status (a shell or bubblewrap reports a signal as 128 + it)."""
+        """Why the sandbox's process ended, from its exit status (a shell or bubblewrap gives a signal as 128 + it)."""
         try:
             code = self.process.wait(timeout=2)
         except subprocess.TimeoutExpired:
