@@ -57,7 +57,7 @@ class EngineMetrics:
     num_swap_fallbacks: int = 0  # swap chosen but the host pool was full: recomputed instead
     num_swapped_out_blocks: int = 0  # block copies to the host made by preemption
     num_swapped_in_blocks: int = 0  # block copies back to the device made by resuming
-    num_recomputed_tokens: int = 0
+    num_recomputed_tokens: int = 0  # computed tokens recompute preemptions let go (a prefix hit may serve some back)
     swap_bytes: int = 0  # every byte moved over the host link (preemption and the host prefix tier)
     swap_time: float = 0.0
     recompute_time: float = 0.0  # share of step time spent re-prefilling preempted tokens

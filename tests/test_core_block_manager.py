@@ -7,10 +7,12 @@ sequence's blocks, what each step's moves hold, and that the host pool gets back
 move held once the step ends.
 """
 
+import pytest
+
 from kvlib.config import SamplingParams
 from kvlib.core.block_allocator import BlockAllocator
 from kvlib.core.block_manager import BlockManager
-from kvlib.core.prefix_cache import PrefixHit, block_hash
+from kvlib.core.prefix_cache import HostPrefixTier, PrefixHit, block_hash
 from kvlib.core.sequence import Sequence
 
 BS = 4
@@ -324,3 +326,65 @@ def test_a_host_tier_hit_costs_one_new_device_block_exactly():
     bm.admit(seq, hits)
     bm.grow(seq, 9)
     assert len(bm.end_step().promote) == 1 and len(seq.block_table) == 3 and bm.num_free_blocks == 0
+
+
+def test_a_partly_preempted_sequence_takes_its_tail_back_from_the_prefix_cache():
+    bm = manager(gpu=8, enable_prefix_caching=True)
+    seq = running(bm, 14)  # blocks 0-2 full and named, block 3 holds 2 tokens
+    bm.register_computed(seq)
+    tail = seq.block_table.blocks[1:3]
+    assert bm.drop(seq, 3) == 10 and seq.num_computed_tokens == 4  # its head block stays on the device
+    hits = bm.prefix_hits(seq)
+    assert [h.block_id for h in hits] == tail and not any(h.on_host for h in hits)
+    assert [h.name for h in hits] == [block_hash(seq.block_hashes[0], (104, 105, 106, 107)), hits[1].name]
+    queried = bm.prefix_stats.queried_tokens
+    bm.admit(seq, hits)
+    assert seq.num_computed_tokens == 12 and seq.block_table.blocks[1:] == tail and len(seq.block_hashes) == 3
+    assert bm.prefix_stats.queried_tokens == queried  # a resumption is not a new prompt's lookup
+    assert bm.blocks_to_grow(seq, 14) == 1 and bm.cache.num_evictable == 0
+
+
+def test_a_resumed_sequence_counts_the_blocks_it_holds_when_asking_for_room():
+    bm = manager(gpu=4, enable_prefix_caching=True)
+    seq = running(bm, 13)  # all four blocks, three of them named
+    bm.register_computed(seq)
+    bm.drop(seq, 3)  # keeps block 0; blocks 1-2 stay cached and evictable, block 3 is free
+    hits = bm.prefix_hits(seq)
+    assert len(hits) == 2 and bm.num_free_blocks == 3
+    assert bm.can_admit(seq, hits, 13, use_watermark=False)  # 1 held + 2 hits + 1 new = the whole pool
+    other = running(bm, range(50, 51), "other")  # takes the free block
+    assert not bm.can_admit(seq, hits, 13, use_watermark=False)
+    assert bm.can_admit(seq, hits, 12, use_watermark=False)
+    bm.drop(other)
+
+
+def test_a_sequence_whose_kept_blocks_are_not_all_named_looks_nothing_up():
+    bm = manager(gpu=8, enable_prefix_caching=True)
+    seq = running(bm, 9)
+    bm.register_computed(seq)
+    bm.drop(seq, 1)
+    seq.num_computed_tokens = 6  # a head not fully computed: the names no longer say what it holds
+    assert bm.prefix_hits(seq) == []
+    assert manager(enable_prefix_caching=True).prefix_hits(running(manager(), 8)) == []  # holds unnamed blocks
+
+
+def test_a_tier_that_raises_while_a_resumed_sequence_is_admitted_leaves_it_its_head():
+    class Broken(HostPrefixTier):
+        def touch(self, name):
+            raise RuntimeError("tier broke")
+
+    bm = manager(gpu=3, cpu=4, enable_prefix_caching=True, host_prefix_cache=True, host_tier_factory=Broken)
+    seq = running(bm, 9)
+    bm.register_computed(seq)
+    bm.drop(seq, 2)  # keeps block 0; block 1 is cached and evictable
+    bm.drop(running(bm, range(20, 28), "filler"))  # takes the free block and evicts block 1 to the host tier
+    bm.end_step()
+    head = list(seq.block_table.blocks)
+    hits = bm.prefix_hits(seq)
+    assert [h.on_host for h in hits] == [True]
+    bm.begin_step()
+    with pytest.raises(RuntimeError, match="tier broke"):
+        bm.admit(seq, hits)
+    bm.end_step()
+    assert seq.block_table.blocks == head and seq.num_computed_tokens == 4 and len(seq.block_hashes) == 1
+    assert bm.device_pool.ref_count(head[0]) == 2  # its own reference and the cache's

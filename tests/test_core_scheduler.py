@@ -171,6 +171,19 @@ def test_a_paused_sequence_that_kept_blocks_gives_them_up_before_a_running_one()
     assert e.metrics.num_recomputed_tokens == 1 + 4
 
 
+def test_a_sequence_that_gave_up_its_own_tail_takes_it_back_from_the_prefix_cache():
+    e = engine(num_gpu_blocks=3, preemption_mode="recompute", partial_preemption=True, max_num_batched_tokens=64,
+               enable_prefix_caching=True)
+    e.add("a", Request([34, 43], 2, arrival=0))
+    e.add("b", Request(list(range(8)), 2, arrival=1))
+    e.step()
+    e.step()  # b needs a third block, and a ran first this step: b is its own victim and lets its second block go
+    assert states(e)["b"] == ("waiting", 1, 0, 4, 1) and e.metrics.num_recomputed_tokens == 4
+    e.step()
+    assert e.last_starts == [8]  # the cache still held that block: b computes only its new token
+    assert not e.has_unfinished() and len(e.requests["b"][0].output_token_ids) == 2
+
+
 def test_a_partial_swap_needs_host_room_for_the_tail_only():
     e = engine(num_gpu_blocks=6, num_cpu_blocks=1, preemption_mode="swap", partial_preemption=True,
                max_num_batched_tokens=64)

@@ -116,3 +116,16 @@ def test_no_oversubscription_warning_with_room(checkpoint, caplog):
     with caplog.at_level(logging.WARNING, logger="kvlib"):
         llm.generate([[1, 2, 3, 4]] * 16, SamplingParams(max_tokens=30))
     assert llm.metrics.num_preemptions == 0 and not caplog.records
+
+
+def test_a_sequence_that_gave_up_its_own_tail_resumes_from_the_cached_block_with_the_same_tokens(checkpoint):
+    """b is its own victim (a already ran this step) and lets its full third block go; the prefix cache keeps
+    it, so b resumes after it: one token computed, not five, and the tokens are those of a roomy pool."""
+    prompts, params = [[34, 43], list(range(8))], [SamplingParams(max_tokens=6), SamplingParams(max_tokens=10)]
+    roomy = LLM(checkpoint("llama-gqa"), EngineConfig(block_size=4, num_gpu_blocks=64), verbose=False)
+    config = EngineConfig(block_size=4, num_gpu_blocks=5, preemption_mode="recompute", partial_preemption=True,
+                          enable_prefix_caching=True, watermark=0.0)
+    llm = LLM(checkpoint("llama-gqa"), config, verbose=False)
+    assert run_steps(llm, prompts, params) == [o.token_ids for o in roomy.generate(prompts, params)]
+    assert (llm.metrics.num_preemptions_recompute, llm.metrics.num_recomputed_tokens) == (1, 4)
+    assert [s.num_batched_tokens for s in llm.metrics.timeline] == [10, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1]

@@ -161,11 +161,15 @@ class BlockManager:
 
     # ---- admission -----------------------------------------------------------------------------
     def prefix_hits(self, seq: Sequence) -> list[PrefixHit]:
-        """Cached blocks for a sequence that holds none yet; its last token is always computed."""
-        if self.cache is None or seq.block_table.blocks or seq.host_blocks:
+        """Cached blocks for a waiting sequence, from its first missing block on: all of them for a new one,
+        the tail a partial preemption let go for one that kept its head. Its last token is always computed."""
+        held = len(seq.block_table)
+        if (self.cache is None or seq.host_blocks or len(seq.block_hashes) != held
+                or seq.num_computed_tokens != held * self.block_size):
             return []
         host_lookup = self.evicted.lookup if self.host_tier is not None else None
-        return match_prefix(seq.token_ids[:-1], self.block_size, self.cache, host_lookup)
+        previous = seq.block_hashes[-1] if held else None
+        return match_prefix(seq.token_ids[:-1], self.block_size, self.cache, host_lookup, held, previous)
 
     def cached_prefix(self, token_ids: list[int]) -> list[PrefixHit]:
         """The leading full blocks of ``token_ids`` the prefix cache (or its host tier) holds now."""
@@ -179,13 +183,13 @@ class BlockManager:
             return self._status(self.blocks_to_grow(seq, end), use_watermark) is AllocStatus.OK
         from_host = sum(1 for h in hits if h.on_host)  # each is copied back into a new device block
         revived = sum(1 for h in hits if not h.on_host and self.device_pool.ref_count(h.block_id) == 1)
-        needed = from_host + max(0, blocks_for(end, self.block_size) - len(hits))
+        needed = from_host + max(0, blocks_for(end, self.block_size) - len(seq.block_table) - len(hits))
         return self._status(needed, use_watermark, revived) is AllocStatus.OK
 
     def admit(self, seq: Sequence, hits: list[PrefixHit]) -> None:
         """Take the hit blocks, copying host-tier ones back; ``grow`` makes room for the rest. Should a
         plugged-in tier raise, the sequence gives back what it took and waits as it came."""
-        fresh = self.cache is not None and not seq.block_table.blocks and not seq.host_blocks
+        held = len(seq.block_table)
         # Claim every hit before taking a device block: taking one may evict a cached block that is
         # an unclaimed hit; a host hit is held, so the tier cannot drop it when the step's evictions join it.
         claimed = [self.hold_host(h.block_id) if h.on_host else self.share(h.block_id) for h in hits]
@@ -196,7 +200,7 @@ class BlockManager:
                     self.host_tier.touch(hit.name)
                 except BaseException:
                     self._let_go([b for h, b in zip(hits[index:], claimed[index:]) if not h.on_host])
-                    self.release(seq, len(seq.block_table))
+                    self.release(seq, len(seq.block_table) - held)
                     raise
                 block = self.take()
                 self.moves.promote.append((hit.block_id, block))  # the hold above keeps the host block
@@ -204,7 +208,7 @@ class BlockManager:
             seq.block_table.append(block)
             seq.block_hashes.append(hit.name)
         seq.num_computed_tokens += len(hits) * self.block_size
-        if fresh:
+        if self.cache is not None and held == 0:  # a new prompt's lookup, not a resumed sequence's
             self._record_query(seq, hits)
 
     def _record_query(self, seq: Sequence, hits: list[PrefixHit]) -> None:

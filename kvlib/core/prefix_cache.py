@@ -37,11 +37,12 @@ class PrefixHit:
 
 
 def match_prefix(token_ids: list[int], block_size: int, cache: "PrefixCache",
-                 host_lookup: Optional[Callable[[int, tuple[int, ...]], Optional[CachedBlock]]] = None) -> list[PrefixHit]:
-    """The cached leading full blocks of ``token_ids``: each from the device tier, else from the host tier's
-    ``host_lookup(name, tokens)``."""
-    hits, name = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+                 host_lookup: Optional[Callable[[int, tuple[int, ...]], Optional[CachedBlock]]] = None,
+                 first_block: int = 0, previous: Optional[int] = None) -> list[PrefixHit]:
+    """The cached full blocks of ``token_ids`` from block ``first_block`` on (``previous`` names the block
+    before it): each from the device tier, else from the host tier's ``host_lookup(name, tokens)``."""
+    hits, name = [], previous
+    for start in range(first_block * block_size, len(token_ids) - block_size + 1, block_size):
         tokens = tuple(token_ids[start:start + block_size])
         name = block_hash(name, tokens)
         entry = cache.lookup(name, tokens)

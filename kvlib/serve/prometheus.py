@@ -37,7 +37,8 @@ COUNTERS = {  # name without _total: (help, llm.metrics field)
     "kvlib:num_swap_fallbacks": ("Swaps that recomputed instead: the host pool was full", "num_swap_fallbacks"),
     "kvlib:num_swapped_out_blocks": ("Blocks copied to the host pool by preemptions", "num_swapped_out_blocks"),
     "kvlib:num_swapped_in_blocks": ("Blocks copied back to the device on resuming", "num_swapped_in_blocks"),
-    "kvlib:num_recomputed_tokens": ("Tokens prefilled again after a recompute preemption", "num_recomputed_tokens"),
+    "kvlib:num_recomputed_tokens": ("Computed tokens recompute preemptions let go, prefilled again unless the prefix "
+                                  "cache still holds them", "num_recomputed_tokens"),
     "kvlib:num_requests_rejected": ("Requests the engine refused (they could never run)", "num_rejected"),
     "kvlib:num_requests_aborted": ("Requests ended early: the client left, a step failed, or a plugged-in piece "
                                    "aborted them", "num_aborted"),
