@@ -254,3 +254,53 @@ def test_an_allocator_answering_numpy_integers_is_measured_by_their_values():
     sent = decided(lab02.allocator, check, NumpyIds, 5)
     assert verdict(check, measured(lab02.allocator, check, sent, 5),
                    observe(check, lab02.allocator.reference(), 5)).status == PASS
+
+
+class SharingThatNeverCopies:
+    """Forks correctly and never copies: samples write into each other's blocks."""
+
+    def fork(self, allocator, blocks):
+        return [allocator.fork(block) for block in blocks]
+
+    def make_writable(self, allocator, blocks, index, take_block):
+        return None
+
+
+def test_lab_05s_acts_are_done_again_by_the_grader_so_a_forged_engine_observation_gains_nothing(monkeypatch):
+    """Labs 03-06, 08 and 10 observed in the sandbox, where a module bound to another name (``m = lab; m.f = ...``)
+    is out of the fence's sight. Lab 05's sandbox now sends what each call did (the allocator's acts, take_block's
+    blocks, the tables after, the answer), and the grader does it again to its own pool and engine."""
+    from kvlib.course.grading import lab05
+    from kvlib.course.grading.decisions import decided
+    check = lab05.engine.named("greedy_samples")
+    reference = observe(check, lab05.engine.reference(), 6)
+    forged = reference.observation
+    with monkeypatch.context() as sandbox:
+        sandbox.setattr(lab05, "_observed", lambda llm, outputs: forged)
+        assert verdict(check, observe(check, SharingThatNeverCopies, 6), reference).status == PASS  # the cheat is real
+        sent = decided(lab05.engine, check, SharingThatNeverCopies, 6)
+    assert sent.status == DECIDED
+    result = verdict(check, measured(lab05.engine, check, sent, 6), reference)
+    assert result.status == FAIL and "copy-on-write copies: yours is 0" in result.message
+
+
+def test_lab_05s_record_done_again_gives_what_the_piece_gave_and_parts_when_forged():
+    from kvlib.core.sharing import BlockSharing
+    from kvlib.course.grading import lab05
+    for piece in (BlockSharing, SharingThatNeverCopies):
+        for check in lab05.fork.checks + lab05.copy_on_write.checks + [lab05.engine.named("under_preemption")]:
+            log: list = []
+            direct = observe(check, piece, 9)
+            assert observe(check, lab05.ACTS.record(piece, log), 9) == direct and log, check.name
+            assert measured(lab05.copy_on_write, check, Observed(DECIDED, log), 9) == direct, check.name
+    check = lab05.copy_on_write.named("shared_block_gets_a_copy")
+    log = []
+    observe(check, lab05.ACTS.record(BlockSharing, log), 9)
+    taken = [[n, name, [[i, act, args, answer + 1 if act is None else answer] for i, act, args, answer in effects],
+              tables, returned] for n, name, effects, tables, returned in log]  # take_block's blocks misreported
+    failed = measured(lab05.copy_on_write, check, Observed(DECIDED, taken), 9)
+    assert failed.status == FAIL and "does not come from this check" in failed.message
+    forged_tables = [[n, name, effects, [[i, [0] * len(items)] for i, items in tables], returned]
+                     for n, name, effects, tables, returned in log]  # graded as the acts that would make them
+    assert verdict(check, measured(lab05.copy_on_write, check, Observed(DECIDED, forged_tables), 9),
+                   observe(check, BlockSharing, 9)).status == FAIL

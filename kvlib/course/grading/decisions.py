@@ -213,6 +213,143 @@ def calls_to(protocol: type, enums: tuple[type, ...] = (), errors: tuple[type, .
     return Decisions(record, replay)
 
 
+def acts_on(methods: tuple[str, ...], acts: tuple[str, ...], errors: tuple[type, ...] = ()) -> Decisions:
+    """A class whose ``methods`` act on what they are given (lab 05's sharing: an allocator, a block table, a
+    ``take_block``): each call is recorded with what it did, in order (every call of one of ``acts`` on an
+    argument, and every call of a function argument, each with its answer or error), what every list argument
+    holds when it returns, and its own answer or error. The grader's class does the same to the grader's
+    arguments, so the pool, the tables and the engine it measures are its own; an act that answers there
+    otherwise than it did in the sandbox means the reply is not this check's."""
+    def record(cls, log: list) -> type:
+        numbers_given = itertools.count()
+
+        def recorded(instance, name: str):
+            def call(*args):
+                effects: list = []
+                entry = [instance.number, name, effects]
+                log.append(entry)
+                given = [_acting(arg, i, acts, effects) for i, arg in enumerate(args)]
+                try:
+                    got = getattr(instance.inner, name)(*given)
+                except Exception as exc:
+                    entry += [_lists(args), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
+                    raise
+                entry += [_lists(args), _returned(got, args)]
+                return got
+            return call
+
+        def __init__(self, *args, **kwargs):
+            self.inner, self.number = cls(*args, **kwargs), next(numbers_given)
+        members = {name: lambda self, *args, name=name: recorded(self, name)(*args) for name in methods}
+        return type(getattr(cls, "__name__", "Recorded"), (), {"__init__": __init__, **members})
+
+    def replay(answers: Answers) -> type:
+        numbers_given = itertools.count()
+        known = {cls.__name__: cls for cls in errors}
+
+        def replayed(number: int, name: str, args: tuple):
+            entry = answers.take()
+            if not (isinstance(entry, list) and entry[:2] == [number, name] and len(entry) == 5):
+                raise CheckFailed(f"the sandbox's record parts from the grader's calls at call {answers.next}: it "
+                                  f"called instance {number}'s {name}; the reply does not come from this check")
+            for effect in entry[2] if isinstance(entry[2], list) else [None]:
+                _act_again(effect, args, acts)
+            for index, items in entry[3] if isinstance(entry[3], list) else ():
+                if isinstance(index, int) and 0 <= index < len(args) and isinstance(args[index], list):
+                    args[index][:] = items
+            outcome = entry[4]
+            if isinstance(outcome, dict) and "raised" in outcome:
+                raise _error(str(outcome["raised"]), known)(str(outcome.get("message", "")))
+            return _given_back(outcome, args)
+
+        def __init__(self, *args, **kwargs):
+            self.number = next(numbers_given)
+        members = {name: lambda self, *args, name=name: replayed(self.number, name, args) for name in methods}
+        return type("Replayed", (), {"__init__": __init__, **members})
+    return Decisions(record, replay)
+
+
+class _Acting:
+    """An argument whose ``acts`` are recorded in the current call's effects, as [argument, act, args, answer]."""
+
+    def __init__(self, inner, index: int, acts: tuple[str, ...], effects: list):
+        self._inner, self._index, self._acts, self._effects = inner, index, acts, effects
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._inner, name)
+        if name not in self._acts:
+            return attribute
+        return lambda *args: _kept(self._effects, [self._index, name, [_as_data(a, ()) for a in args]],
+                                   lambda: attribute(*args))
+
+
+def _acting(arg: Any, index: int, acts: tuple[str, ...], effects: list) -> Any:
+    """What the learner's method is handed for ``arg``: lists as they are (their contents are read after the call),
+    functions and objects with any of ``acts`` wrapped so that what the method does with them is recorded."""
+    if isinstance(arg, (list, int, str, float, type(None))):
+        return arg
+    if any(hasattr(arg, act) for act in acts):
+        return _Acting(arg, index, acts, effects)
+    if callable(arg):
+        return lambda *args: _kept(effects, [index, None, [_as_data(a, ()) for a in args]], lambda: arg(*args))
+    return arg
+
+
+def _kept(effects: list, effect: list, act: Callable) -> Any:
+    try:
+        got = act()
+    except Exception as exc:
+        effects.append(effect + [{"raised": type(exc).__name__}])
+        raise
+    effects.append(effect + [_as_data(got, ())])
+    return got
+
+
+def _act_again(effect: Any, args: tuple, acts: tuple[str, ...]) -> None:
+    """Do in the grader what the learner's method did in the sandbox; it must answer as it answered there."""
+    shaped = isinstance(effect, list) and len(effect) == 4 and isinstance(effect[0], int) and \
+        0 <= effect[0] < len(args) and (effect[1] is None or effect[1] in acts) and isinstance(effect[2], list)
+    if not shaped:
+        raise CheckFailed(f"the sandbox recorded {str(effect)[:200]} as something your method did; the reply does "
+                          f"not come from this check")
+    index, act, act_args, answer = effect
+    target = args[index] if act is None else getattr(args[index], act)
+    try:
+        got = _as_data(target(*act_args), ())
+    except Exception as exc:
+        got = {"raised": type(exc).__name__}
+    if got != answer:
+        raise CheckFailed(f"the sandbox's record parts from the grader's run: {act or 'a function argument'} "
+                          f"answered {str(answer)[:100]} there and {str(got)[:100]} here; the reply does not come "
+                          f"from this check")
+
+
+def _lists(args: tuple) -> list:
+    return [[index, [_as_data(item, ()) for item in arg]] for index, arg in enumerate(args) if isinstance(arg, list)]
+
+
+def _returned(got: Any, args: tuple) -> Any:
+    """A method's answer as data: one of its own list arguments by position, a list or tuple item by item."""
+    same = next((index for index, arg in enumerate(args) if isinstance(arg, list) and got is arg), None)
+    if same is not None:
+        return {"argument": same}
+    if isinstance(got, (list, tuple)):
+        return {type(got).__name__: [_as_data(item, ()) for item in got]}
+    return _as_data(got, ())
+
+
+def _given_back(outcome: Any, args: tuple) -> Any:
+    if isinstance(outcome, dict) and isinstance(outcome.get("argument"), int) and 0 <= outcome["argument"] < len(args):
+        return args[outcome["argument"]]
+    if isinstance(outcome, dict) and isinstance(outcome.get("list"), list):
+        return list(outcome["list"])
+    if isinstance(outcome, dict) and isinstance(outcome.get("tuple"), list):
+        return tuple(outcome["tuple"])
+    if isinstance(outcome, dict):
+        return StandIn(str(outcome.get("stand_in")), bool(outcome.get("truthy")))
+    return outcome
+
+
 def _as_data(got: Any, enums: tuple[type, ...]) -> Any:
     """An answer as JSON data: a known enum by name, plain values as they are, other integers and reals (numpy's) by
     their value, anything else as its text."""

@@ -10,6 +10,7 @@ on the same inputs. The engine checks pass an instance as ``LLM(..., block_shari
 requests with n > 1 samples (greedy, seeded, under preemption, with prefix caching in a pool that
 cached blocks fill, where a copy's block must come from ``take_block``), check the block
 bookkeeping after every step, and observe every sample's tokens and the copies the engine made.
+The sandbox sends back what each call did (``ACTS``); the grader does it again in every scenario.
 """
 from __future__ import annotations
 
@@ -18,16 +19,21 @@ from typing import Callable
 
 from kvlib.core.block_allocator import BlockAllocator, BlockAllocatorError
 from kvlib.course.grading.checks import Task, expect, raised
+from kvlib.course.grading.decisions import acts_on
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.course.grading.workloads import Arrival, serve_timed
 
 HIDDEN = ("kvlib.core.sharing:BlockSharing",)
 _sharing = kvlibs_own(HIDDEN[0])
+# What each call did to the allocator, the table and take_block comes back from the sandbox, and the grader does
+# it again to its own: the reference counts, the tables and the engine runs are observed where the learner's
+# code cannot reach (decisions.py).
+ACTS = acts_on(("fork", "make_writable"), acts=("allocate", "fork", "free"), errors=(BlockAllocatorError,))
 
-fork = Task("fork", ("MyBlockSharing",), HIDDEN, _sharing)
-copy_on_write = Task("copy_on_write", ("MyBlockSharing",), HIDDEN, _sharing)
-engine = Task("engine", ("MyBlockSharing",), HIDDEN, _sharing)
+fork = Task("fork", ("MyBlockSharing",), HIDDEN, _sharing, decisions=ACTS)
+copy_on_write = Task("copy_on_write", ("MyBlockSharing",), HIDDEN, _sharing, decisions=ACTS)
+engine = Task("engine", ("MyBlockSharing",), HIDDEN, _sharing, decisions=ACTS)
 TASKS = [fork, copy_on_write, engine]
 check_fork, check_copy_on_write, check_engine = fork.grade, copy_on_write.grade, engine.grade
 
