@@ -10,7 +10,6 @@ on the same inputs. The engine checks pass an instance as ``LLM(..., block_shari
 requests with n > 1 samples (greedy, seeded, under preemption, with prefix caching in a pool that
 cached blocks fill, where a copy's block must come from ``take_block``), check the block
 bookkeeping after every step, and observe every sample's tokens and the copies the engine made.
-The sandbox sends back what each call did (``ACTS``); the grader does it again in every scenario.
 """
 from __future__ import annotations
 
@@ -26,9 +25,7 @@ from kvlib.course.grading.workloads import Arrival, serve_timed
 
 HIDDEN = ("kvlib.core.sharing:BlockSharing",)
 _sharing = kvlibs_own(HIDDEN[0])
-# What each call did to the allocator, the table and take_block comes back from the sandbox, and the grader does
-# it again to its own: the reference counts, the tables and the engine runs are observed where the learner's
-# code cannot reach (decisions.py).
+# Each call's acts come back from the sandbox; the grader does them again to its own pool and engine (all checks).
 ACTS = acts_on(("fork", "make_writable"), acts=("allocate", "fork", "free"), errors=(BlockAllocatorError,))
 
 fork = Task("fork", ("MyBlockSharing",), HIDDEN, _sharing, decisions=ACTS)
