@@ -304,3 +304,82 @@ def test_lab_05s_record_done_again_gives_what_the_piece_gave_and_parts_when_forg
                      for n, name, effects, tables, returned in log]  # graded as the acts that would make them
     assert verdict(check, measured(lab05.copy_on_write, check, Observed(DECIDED, forged_tables), 9),
                    observe(check, BlockSharing, 9)).status == FAIL
+
+
+class TierThatNeverFrees:
+    """Evicts by forgetting, never frees: the host pool fills with blocks nobody keeps."""
+
+    def __init__(self, allocator):
+        self.allocator, self.kept = allocator, {}
+
+    def put(self, name, tokens, host_block):
+        from kvlib.core.prefix_cache import CachedBlock
+        self.kept[name] = CachedBlock(name, host_block, tokens)
+
+    def lookup(self, name, tokens):
+        entry = self.kept.get(name)
+        return entry if entry is not None and entry.tokens == tokens else None
+
+    def touch(self, name):
+        self.kept[name] = self.kept.pop(name)
+
+    def evict_one(self):
+        for name, entry in self.kept.items():
+            if self.allocator.ref_count(entry.block_id) == 1:
+                del self.kept[name]
+                return True
+        return False
+
+    def __contains__(self, name):
+        return name in self.kept
+
+    def __iter__(self):
+        return iter(list(self.kept.values()))
+
+    @property
+    def num_cached(self):
+        return len(self.kept)
+
+
+def test_lab_10s_tier_is_done_again_by_the_grader_so_a_patch_beside_it_gains_nothing(monkeypatch):
+    """Lab 10 observed the tier in the sandbox, where a module bound to another name could rewrite the check's
+    helpers (here: a wrapper that frees what the tier forgot); now the grader does each call's acts again on its
+    own host pool, and holds evict_one to its word there."""
+    from kvlib.course.grading import lab10
+    from kvlib.course.grading.decisions import decided
+    check = lab10.tier.named("evicts_the_least_recently_used")
+    reference = observe(check, lab10.tier.reference(), 8)
+
+    def mended(tier_cls):  # a patch that frees what the learner's tier forgot, beside it
+        class Mended(tier_cls):
+            def __init__(self, allocator):
+                super().__init__(allocator)
+                self.pool = allocator
+
+            def evict_one(self):
+                before = {entry.block_id for entry in self}
+                found = super().evict_one()
+                for block in before - {entry.block_id for entry in self}:
+                    self.pool.free(block)
+                return found
+        return Mended
+    with monkeypatch.context() as sandbox:
+        sandbox.setattr(lab10, "checked", mended)
+        assert verdict(check, observe(check, TierThatNeverFrees, 8), reference).status == PASS  # the cheat is real
+        sent = decided(lab10.tier, check, TierThatNeverFrees, 8)
+    assert sent.status == DECIDED
+    result = verdict(check, measured(lab10.tier, check, sent, 8), reference)
+    assert result.status == FAIL  # the patch's own calls part from the grader's, or its frees are missing
+    plain = verdict(check, measured(lab10.tier, check, decided(lab10.tier, check, TierThatNeverFrees, 8), 8), reference)
+    assert plain.status == FAIL and "allocator.free, once" in plain.message
+
+
+def test_lab_10s_record_done_again_gives_what_the_tier_gave():
+    from kvlib.core.prefix_cache import HostPrefixTier
+    from kvlib.course.grading import lab10
+    for piece in (HostPrefixTier, TierThatNeverFrees):
+        for check in lab10.tier.checks + lab10.engine.checks:
+            log: list = []
+            direct = observe(check, piece, 5)
+            assert observe(check, lab10.ACTS.record(piece, log), 5) == direct and log, check.name
+            assert measured(lab10.tier, check, Observed(DECIDED, log), 5) == direct, check.name

@@ -12,11 +12,13 @@ graded as the policy that would make them.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import enum
 import itertools
 import numbers
 import operator
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from kvlib.course.grading.checks import CheckFailed, Observed, observe
@@ -213,85 +215,117 @@ def calls_to(protocol: type, enums: tuple[type, ...] = (), errors: tuple[type, .
     return Decisions(record, replay)
 
 
-def acts_on(methods: tuple[str, ...], acts: tuple[str, ...], errors: tuple[type, ...] = ()) -> Decisions:
-    """A class whose ``methods`` act on what they are given (lab 05's sharing: an allocator, a block table, a
-    ``take_block``): each call is recorded with what it did, in order (every call of one of ``acts`` on an
-    argument, and every call of a function argument, each with its answer or error), what every list argument
-    holds when it returns, and its own answer or error. The grader's class does the same to the grader's
-    arguments, so the pool, the tables and the engine it measures are its own; an act that answers there
-    otherwise than it did in the sandbox means the reply is not this check's."""
+def acts_on(protocol: type, acts: tuple[str, ...], errors: tuple[type, ...] = (), kinds: tuple[type, ...] = ()
+            ) -> Decisions:
+    """A class of ``protocol`` whose members act on what they are given (lab 05's sharing: an allocator, a block
+    table, a ``take_block``; lab 10's tier: the host pool's allocator, given to its constructor). Each call, the
+    constructor's included, is recorded with what it did, in order (every call of one of ``acts`` on an argument,
+    and every call of a function argument, each with its answer or error), what every list argument holds when it
+    returns, and its own answer or error; an answer of one of ``kinds`` (dataclasses) is kept field by field, an
+    iterator item by item. The grader's class does the same to the grader's arguments, so the pools, the tables
+    and the engine it measures are its own; an act that answers there otherwise than it did in the sandbox means
+    the reply is not this check's."""
+    from kvlib.interfaces import protocol_members
+    members = protocol_members(protocol)
+    properties = {name for name in members if isinstance(getattr(protocol, name, None), property)}
+    kinds_by_name = {cls.__name__: cls for cls in kinds}
+    errors_by_name = {cls.__name__: cls for cls in errors}
+
     def record(cls, log: list) -> type:
         numbers_given = itertools.count()
 
-        def recorded(instance, name: str):
-            def call(*args):
-                effects: list = []
-                entry = [instance.number, name, effects]
-                log.append(entry)
-                given = [_acting(arg, i, acts, effects) for i, arg in enumerate(args)]
-                try:
-                    got = getattr(instance.inner, name)(*given)
-                except Exception as exc:
-                    entry += [_lists(args), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
-                    raise
-                entry += [_lists(args), _returned(got, args)]
-                return got
-            return call
+        def recorded(instance, name: str, args: tuple, act: Callable) -> Any:
+            effects: list = []
+            entry = [instance.number, name, effects]
+            log.append(entry)
+            instance.calls.append(effects)  # what the constructor's arguments do now belongs to this call
+            given = [_acting(arg, index, acts, lambda: effects) for index, arg in enumerate(args)]
+            try:
+                got = act(*given)
+                if isinstance(got, Iterator):  # recorded item by item, handed on as an iterator
+                    items = list(got)
+                    got, outcome = iter(items), {"iterator": [_encoded(item) for item in items]}
+                else:
+                    outcome = _returned(got, args)
+            except Exception as exc:
+                entry += [_lists(args), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
+                raise
+            finally:
+                instance.calls.pop()
+            entry += [_lists(args), outcome]
+            return got
 
-        def __init__(self, *args, **kwargs):
-            self.inner, self.number = cls(*args, **kwargs), next(numbers_given)
-        members = {name: lambda self, *args, name=name: recorded(self, name)(*args) for name in methods}
-        return type(getattr(cls, "__name__", "Recorded"), (), {"__init__": __init__, **members})
+        def __init__(self, *args):
+            self.number, self.calls = next(numbers_given), []
+            def running() -> list:  # the effects of the call running now
+                return self.calls[-1] if self.calls else []
+            outer = [_acting(arg, -1 - index, acts, running) for index, arg in enumerate(args)]
+            self.inner = recorded(self, "__init__", args, lambda *_: cls(*outer))
+
+        def member(name: str):
+            if name in properties:
+                return property(lambda self: recorded(self, name, (), lambda: getattr(self.inner, name)))
+            return lambda self, *args: recorded(self, name, args, getattr(self.inner, name))
+        body = {"__init__": __init__, **{name: member(name) for name in members}}
+        return type(getattr(cls, "__name__", "Recorded"), (), body)
 
     def replay(answers: Answers) -> type:
         numbers_given = itertools.count()
-        known = {cls.__name__: cls for cls in errors}
 
-        def replayed(number: int, name: str, args: tuple):
+        def replayed(number: int, name: str, args: tuple, outer: tuple) -> Any:
             entry = answers.take()
             if not (isinstance(entry, list) and entry[:2] == [number, name] and len(entry) == 5):
                 raise CheckFailed(f"the sandbox's record parts from the grader's calls at call {answers.next}: it "
                                   f"called instance {number}'s {name}; the reply does not come from this check")
             for effect in entry[2] if isinstance(entry[2], list) else [None]:
-                _act_again(effect, args, acts)
+                _act_again(effect, args, outer, acts, kinds_by_name)
             for index, items in entry[3] if isinstance(entry[3], list) else ():
                 if isinstance(index, int) and 0 <= index < len(args) and isinstance(args[index], list):
-                    args[index][:] = items
+                    args[index][:] = [_decoded(item, kinds_by_name) for item in items]
             outcome = entry[4]
             if isinstance(outcome, dict) and "raised" in outcome:
-                raise _error(str(outcome["raised"]), known)(str(outcome.get("message", "")))
-            return _given_back(outcome, args)
+                raise _error(str(outcome["raised"]), errors_by_name)(str(outcome.get("message", "")))
+            if isinstance(outcome, dict) and "argument" in outcome:
+                return args[outcome["argument"]] if outcome["argument"] in range(len(args)) else None
+            got = _decoded(outcome, kinds_by_name)
+            return iter(got) if isinstance(outcome, dict) and "iterator" in outcome else got
 
-        def __init__(self, *args, **kwargs):
-            self.number = next(numbers_given)
-        members = {name: lambda self, *args, name=name: replayed(self.number, name, args) for name in methods}
-        return type("Replayed", (), {"__init__": __init__, **members})
+        def __init__(self, *args):
+            self.number, self.outer = next(numbers_given), args
+            replayed(self.number, "__init__", args, args)
+
+        def member(name: str):
+            if name in properties:
+                return property(lambda self: replayed(self.number, name, (), self.outer))
+            return lambda self, *args: replayed(self.number, name, args, self.outer)
+        return type("Replayed", (), {"__init__": __init__, **{name: member(name) for name in members}})
     return Decisions(record, replay)
 
 
 class _Acting:
-    """An argument whose ``acts`` are recorded in the current call's effects, as [argument, act, args, answer]."""
+    """An argument whose ``acts`` are recorded, as [argument, act, args, answer], in the effects of the call
+    that ``effects()`` names (the call it was given to, or, for a constructor's argument, the call running now)."""
 
-    def __init__(self, inner, index: int, acts: tuple[str, ...], effects: list):
+    def __init__(self, inner, index: int, acts: tuple[str, ...], effects: Callable[[], list]):
         self._inner, self._index, self._acts, self._effects = inner, index, acts, effects
 
     def __getattr__(self, name: str):
         attribute = getattr(self._inner, name)
         if name not in self._acts:
             return attribute
-        return lambda *args: _kept(self._effects, [self._index, name, [_as_data(a, ()) for a in args]],
+        return lambda *args: _kept(self._effects(), [self._index, name, [_encoded(a) for a in args]],
                                    lambda: attribute(*args))
 
 
-def _acting(arg: Any, index: int, acts: tuple[str, ...], effects: list) -> Any:
-    """What the learner's method is handed for ``arg``: lists as they are (their contents are read after the call),
-    functions and objects with any of ``acts`` wrapped so that what the method does with them is recorded."""
-    if isinstance(arg, (list, int, str, float, type(None))):
+def _acting(arg: Any, index: int, acts: tuple[str, ...], effects: Callable[[], list]) -> Any:
+    """What the learner's code is handed for ``arg``: data as it is (a list's contents are read after the call),
+    functions and objects with any of ``acts`` wrapped so that what the code does with them is recorded."""
+    if arg is None or isinstance(arg, (list, tuple, int, str, float)):
         return arg
     if any(hasattr(arg, act) for act in acts):
         return _Acting(arg, index, acts, effects)
     if callable(arg):
-        return lambda *args: _kept(effects, [index, None, [_as_data(a, ()) for a in args]], lambda: arg(*args))
+        return lambda *args: _kept(effects(), [index, None, [_encoded(a) for a in args]], lambda: arg(*args))
     return arg
 
 
@@ -301,21 +335,24 @@ def _kept(effects: list, effect: list, act: Callable) -> Any:
     except Exception as exc:
         effects.append(effect + [{"raised": type(exc).__name__}])
         raise
-    effects.append(effect + [_as_data(got, ())])
+    effects.append(effect + [_encoded(got)])
     return got
 
 
-def _act_again(effect: Any, args: tuple, acts: tuple[str, ...]) -> None:
-    """Do in the grader what the learner's method did in the sandbox; it must answer as it answered there."""
+def _act_again(effect: Any, args: tuple, outer: tuple, acts: tuple[str, ...], kinds: dict) -> None:
+    """Do in the grader what the learner's code did in the sandbox; it must answer as it answered there.
+    An argument's index counts a call's arguments from 0 and the constructor's from -1 down."""
+    given = list(outer)[::-1] + list(args)  # -1 - i: the constructor's argument i; i: the call's
     shaped = isinstance(effect, list) and len(effect) == 4 and isinstance(effect[0], int) and \
-        0 <= effect[0] < len(args) and (effect[1] is None or effect[1] in acts) and isinstance(effect[2], list)
+        -len(outer) <= effect[0] < len(args) and (effect[1] is None or effect[1] in acts) and \
+        isinstance(effect[2], list)
     if not shaped:
-        raise CheckFailed(f"the sandbox recorded {str(effect)[:200]} as something your method did; the reply does "
+        raise CheckFailed(f"the sandbox recorded {str(effect)[:200]} as something your code did; the reply does "
                           f"not come from this check")
     index, act, act_args, answer = effect
-    target = args[index] if act is None else getattr(args[index], act)
+    target = given[index + len(outer)]
     try:
-        got = _as_data(target(*act_args), ())
+        got = _encoded((target if act is None else getattr(target, act))(*[_decoded(a, kinds) for a in act_args]))
     except Exception as exc:
         got = {"raised": type(exc).__name__}
     if got != answer:
@@ -325,29 +362,43 @@ def _act_again(effect: Any, args: tuple, acts: tuple[str, ...]) -> None:
 
 
 def _lists(args: tuple) -> list:
-    return [[index, [_as_data(item, ()) for item in arg]] for index, arg in enumerate(args) if isinstance(arg, list)]
+    return [[index, [_encoded(item) for item in arg]] for index, arg in enumerate(args) if isinstance(arg, list)]
 
 
 def _returned(got: Any, args: tuple) -> Any:
-    """A method's answer as data: one of its own list arguments by position, a list or tuple item by item."""
+    """A member's answer as data: one of its own list arguments by position, anything else encoded."""
     same = next((index for index, arg in enumerate(args) if isinstance(arg, list) and got is arg), None)
-    if same is not None:
-        return {"argument": same}
-    if isinstance(got, (list, tuple)):
-        return {type(got).__name__: [_as_data(item, ()) for item in got]}
-    return _as_data(got, ())
+    return {"argument": same} if same is not None else _encoded(got)
 
 
-def _given_back(outcome: Any, args: tuple) -> Any:
-    if isinstance(outcome, dict) and isinstance(outcome.get("argument"), int) and 0 <= outcome["argument"] < len(args):
-        return args[outcome["argument"]]
-    if isinstance(outcome, dict) and isinstance(outcome.get("list"), list):
-        return list(outcome["list"])
-    if isinstance(outcome, dict) and isinstance(outcome.get("tuple"), list):
-        return tuple(outcome["tuple"])
-    if isinstance(outcome, dict):
-        return StandIn(str(outcome.get("stand_in")), bool(outcome.get("truthy")))
-    return outcome
+def _encoded(value: Any) -> Any:
+    """Plain values as they are; lists, tuples and dataclasses (by class name) item by item; integers and reals
+    of other types (numpy's) by their value; anything else as its text and truth."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__ if type(value) in (list, tuple) else "list": [_encoded(v) for v in value]}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"kind": type(value).__name__, "fields": [_encoded(getattr(value, f.name))
+                                                         for f in dataclasses.fields(value)]}
+    return _as_data(value, ())
+
+
+def _decoded(data: Any, kinds: dict) -> Any:
+    """The value :func:`_encoded` wrote; a dataclass of a kind the check does not name, or text, as a stand-in."""
+    if not isinstance(data, dict):
+        return data
+    if isinstance(data.get("list"), list) or isinstance(data.get("iterator"), list):
+        return [_decoded(v, kinds) for v in data.get("list", data.get("iterator"))]
+    if isinstance(data.get("tuple"), list):
+        return tuple(_decoded(v, kinds) for v in data["tuple"])
+    kind = kinds.get(str(data.get("kind")))
+    if kind is not None and isinstance(data.get("fields"), list):
+        try:
+            return kind(*[_decoded(v, kinds) for v in data["fields"]])
+        except TypeError:
+            pass
+    return StandIn(str(data.get("stand_in", data)), bool(data.get("truthy", True)))
 
 
 def _as_data(got: Any, enums: tuple[type, ...]) -> Any:

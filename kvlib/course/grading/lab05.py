@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
+from kvlib import interfaces
 from kvlib.core.block_allocator import BlockAllocator, BlockAllocatorError
 from kvlib.course.grading.checks import Task, expect, raised
 from kvlib.course.grading.decisions import acts_on
@@ -26,7 +27,7 @@ from kvlib.course.grading.workloads import Arrival, serve_timed
 HIDDEN = ("kvlib.core.sharing:BlockSharing",)
 _sharing = kvlibs_own(HIDDEN[0])
 # Each call's acts come back from the sandbox; the grader does them again to its own pool and engine (all checks).
-ACTS = acts_on(("fork", "make_writable"), acts=("allocate", "fork", "free"), errors=(BlockAllocatorError,))
+ACTS = acts_on(interfaces.BlockSharing, acts=("allocate", "fork", "free"), errors=(BlockAllocatorError,))
 
 fork = Task("fork", ("MyBlockSharing",), HIDDEN, _sharing, decisions=ACTS)
 copy_on_write = Task("copy_on_write", ("MyBlockSharing",), HIDDEN, _sharing, decisions=ACTS)

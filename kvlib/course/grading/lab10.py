@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import random
 
+from kvlib import interfaces
 from kvlib.config import SamplingParams
 from kvlib.core.block_allocator import BlockAllocator
 from kvlib.core.prefix_cache import CachedBlock
 from kvlib.course.grading.checks import CheckFailed, Task, expect
+from kvlib.course.grading.decisions import acts_on
 from kvlib.course.grading.hidden import kvlibs_own
 from kvlib.course.grading.serving import random_tokens, serve_checked
 
 HIDDEN = ("kvlib.core.prefix_cache:HostPrefixTier",)
 _tier = kvlibs_own(HIDDEN[0])
 
-tier = Task("tier", ("MyHostTier",), HIDDEN, _tier)
-engine = Task("engine", ("MyHostTier",), HIDDEN, _tier)
+# Each call's acts and answers come back from the sandbox; the grader does them again to its own pools and engine.
+ACTS = acts_on(interfaces.HostPrefixTier, acts=("allocate", "fork", "free"), kinds=(CachedBlock,))
+tier = Task("tier", ("MyHostTier",), HIDDEN, _tier, decisions=ACTS)
+engine = Task("engine", ("MyHostTier",), HIDDEN, _tier, decisions=ACTS)
 TASKS = [tier, engine]
 check_tier, check_engine = tier.grade, engine.grade
 
