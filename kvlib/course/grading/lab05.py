@@ -17,6 +17,7 @@ import random
 from typing import Callable
 
 from kvlib import interfaces
+from kvlib.config import SamplingParams
 from kvlib.core.block_allocator import BlockAllocator, BlockAllocatorError
 from kvlib.course.grading.checks import Task, expect, raised
 from kvlib.course.grading.decisions import acts_on
@@ -201,7 +202,6 @@ def _serve(cls, config: dict, prompts: list[list[int]], params) -> dict:
 @engine.check(2, "greedy samples are all the same sequence, so they must equal the n = 1 output; the engine "
                  "should copy each shared, partly filled prompt block once per sample but the last")
 def greedy_samples(cls, rng: random.Random) -> dict:
-    from kvlib import SamplingParams
     return _serve(cls, dict(block_size=BLOCK_SIZE, num_gpu_blocks=128), _prompts(rng, _lengths(rng)),
                   SamplingParams(max_tokens=MAX_TOKENS, n=N))
 
@@ -209,7 +209,6 @@ def greedy_samples(cls, rng: random.Random) -> dict:
 @engine.check(2, "seeded samples diverge from their first token; each must write its own copy of the shared "
                  "last prompt block, or one sample's K/V lands in another's history")
 def seeded_samples(cls, rng: random.Random) -> dict:
-    from kvlib import SamplingParams
     params = SamplingParams(max_tokens=MAX_TOKENS, n=N, temperature=1.0, seed=rng.randrange(10**6))
     return _serve(cls, dict(block_size=BLOCK_SIZE, num_gpu_blocks=128), _prompts(rng, _lengths(rng)), params)
 
@@ -217,7 +216,6 @@ def seeded_samples(cls, rng: random.Random) -> dict:
 @engine.check(3, "under memory pressure the engine preempts samples: swapping copies a shared block once and "
                  "recomputing drops only one reference, so your ref counts must stay exact")
 def under_preemption(cls, rng: random.Random) -> dict:
-    from kvlib import SamplingParams
     params = SamplingParams(max_tokens=MAX_TOKENS, n=N, temperature=1.0, seed=rng.randrange(10**6))
     prompts = _prompts(rng, [5, 7, 2 * rng.randint(2, 3) + 1, 2 * rng.randint(2, 3)])  # three end mid-block
     return {mode: _serve(cls, dict(PRESSURE, preemption_mode=mode), prompts, params) for mode in ("swap", "recompute")}
@@ -232,7 +230,7 @@ CACHED_CONFIG = dict(block_size=BLOCK_SIZE, num_gpu_blocks=20, enable_prefix_cac
 @engine.check(2, "with prefix caching the pool fills with cached blocks nobody uses; take a copy's block with "
                  "take_block(), which evicts one, and keep every reference count exact")
 def with_prefix_caching(cls, rng: random.Random) -> dict:
-    from kvlib import LLM, EngineConfig, SamplingParams
+    from kvlib import LLM, EngineConfig
 
     system = _prompts(rng, [3 * BLOCK_SIZE])[0]
     seed = rng.randrange(10**6)
