@@ -383,3 +383,47 @@ def test_lab_10s_record_done_again_gives_what_the_tier_gave():
             direct = observe(check, piece, 5)
             assert observe(check, lab10.ACTS.record(piece, log), 5) == direct and log, check.name
             assert measured(lab10.tier, check, Observed(DECIDED, log), 5) == direct, check.name
+
+
+def _manager_that_keeps_host_blocks():
+    from kvlib.core.block_manager import BlockManager
+
+    class KeepsHostBlocks(BlockManager):
+        """kvlib's mechanisms, but swap_in never lets go of the host blocks: the host pool leaks."""
+
+        def swap_in(self, seq):
+            for host in seq.host_blocks:
+                block = self.take()
+                self.copy_in(host, block)
+                seq.block_table.append(block)
+            seq.host_blocks = []
+    return KeepsHostBlocks
+
+
+def test_lab_06s_mechanisms_are_done_again_by_the_grader_so_switching_off_the_invariants_gains_nothing(monkeypatch):
+    """A leaking swap_in gives the right tokens while the host pool has room; only the invariant checks after every
+    step catch it. The sandbox could serve without them (``s = lab06; s.serve_checked = ...``); now the grader
+    serves the recorded mechanisms itself, with the checks."""
+    from kvlib.course.grading import lab06
+    from kvlib.course.grading.decisions import decided
+    check = lab06.engine.named("swaps_whole_sequences")
+    reference = observe(check, lab06.engine.reference(), 12)
+    leaky = _manager_that_keeps_host_blocks()
+    with monkeypatch.context() as sandbox:
+        sandbox.setattr(lab06, "serve_checked", lambda llm, prompts, params, max_steps: llm.generate(prompts, params))
+        assert verdict(check, observe(check, leaky, 12), reference).status == PASS  # the cheat is real
+        sent = decided(lab06.engine, check, leaky, 12)
+    result = verdict(check, measured(lab06.engine, check, sent, 12), reference)
+    assert sent.status == DECIDED and result.status == FAIL and "host block" in result.message
+
+
+def test_lab_06s_record_done_again_gives_what_the_mechanisms_gave():
+    from kvlib.core.block_manager import BlockManager
+    from kvlib.course.grading import lab06
+    for piece in (BlockManager, _manager_that_keeps_host_blocks()):
+        shared_tails = lab06.engine.named("swaps_partial_tails_of_shared_sequences")
+        for check in [*lab06.swap.checks, *lab06.drop.checks, shared_tails]:
+            log: list = []
+            direct = observe(check, piece, 4)
+            assert observe(check, lab06.MOVES.record(piece, log), 4) == direct and log, check.name
+            assert measured(lab06.swap, check, Observed(DECIDED, log), 4) == direct, check.name

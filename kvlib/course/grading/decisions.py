@@ -204,7 +204,7 @@ def calls_to(protocol: type, enums: tuple[type, ...] = (), errors: tuple[type, .
                                   f"it asked instance {number} for {name}; the reply does not come from this check")
             answer = entry[2]
             if isinstance(answer, dict) and "raised" in answer:
-                raise _error(str(answer["raised"]), by_name)(str(answer.get("message", "")))
+                raise error_named(str(answer["raised"]), by_name)(str(answer.get("message", "")))
             if isinstance(answer, dict) and "enum" in answer:
                 member = getattr(by_name.get(str(answer["enum"])), str(answer.get("name")), None)
                 return member if isinstance(member, enum.Enum) else StandIn(f"{answer['enum']}.{answer.get('name')}")
@@ -244,7 +244,7 @@ def acts_on(protocol: type, acts: tuple[str, ...], errors: tuple[type, ...] = ()
                 got = act(*given)
                 if isinstance(got, Iterator):  # recorded item by item, handed on as an iterator
                     items = list(got)
-                    got, outcome = iter(items), {"iterator": [_encoded(item) for item in items]}
+                    got, outcome = iter(items), {"iterator": [encoded(item) for item in items]}
                 else:
                     outcome = _returned(got, args)
             except Exception as exc:
@@ -281,13 +281,13 @@ def acts_on(protocol: type, acts: tuple[str, ...], errors: tuple[type, ...] = ()
                 _act_again(effect, args, outer, acts, kinds_by_name)
             for index, items in entry[3] if isinstance(entry[3], list) else ():
                 if isinstance(index, int) and 0 <= index < len(args) and isinstance(args[index], list):
-                    args[index][:] = [_decoded(item, kinds_by_name) for item in items]
+                    args[index][:] = [decoded(item, kinds_by_name) for item in items]
             outcome = entry[4]
             if isinstance(outcome, dict) and "raised" in outcome:
-                raise _error(str(outcome["raised"]), errors_by_name)(str(outcome.get("message", "")))
+                raise error_named(str(outcome["raised"]), errors_by_name)(str(outcome.get("message", "")))
             if isinstance(outcome, dict) and "argument" in outcome:
                 return args[outcome["argument"]] if outcome["argument"] in range(len(args)) else None
-            got = _decoded(outcome, kinds_by_name)
+            got = decoded(outcome, kinds_by_name)
             return iter(got) if isinstance(outcome, dict) and "iterator" in outcome else got
 
         def __init__(self, *args):
@@ -313,7 +313,7 @@ class _Acting:
         attribute = getattr(self._inner, name)
         if name not in self._acts:
             return attribute
-        return lambda *args: _kept(self._effects(), [self._index, name, [_encoded(a) for a in args]],
+        return lambda *args: _kept(self._effects(), [self._index, name, [encoded(a) for a in args]],
                                    lambda: attribute(*args))
 
 
@@ -325,7 +325,7 @@ def _acting(arg: Any, index: int, acts: tuple[str, ...], effects: Callable[[], l
     if any(hasattr(arg, act) for act in acts):
         return _Acting(arg, index, acts, effects)
     if callable(arg):
-        return lambda *args: _kept(effects(), [index, None, [_encoded(a) for a in args]], lambda: arg(*args))
+        return lambda *args: _kept(effects(), [index, None, [encoded(a) for a in args]], lambda: arg(*args))
     return arg
 
 
@@ -335,7 +335,7 @@ def _kept(effects: list, effect: list, act: Callable) -> Any:
     except Exception as exc:
         effects.append(effect + [{"raised": type(exc).__name__}])
         raise
-    effects.append(effect + [_encoded(got)])
+    effects.append(effect + [encoded(got)])
     return got
 
 
@@ -352,7 +352,7 @@ def _act_again(effect: Any, args: tuple, outer: tuple, acts: tuple[str, ...], ki
     index, act, act_args, answer = effect
     target = given[index + len(outer)]
     try:
-        got = _encoded((target if act is None else getattr(target, act))(*[_decoded(a, kinds) for a in act_args]))
+        got = encoded((target if act is None else getattr(target, act))(*[decoded(a, kinds) for a in act_args]))
     except Exception as exc:
         got = {"raised": type(exc).__name__}
     if got != answer:
@@ -362,40 +362,40 @@ def _act_again(effect: Any, args: tuple, outer: tuple, acts: tuple[str, ...], ki
 
 
 def _lists(args: tuple) -> list:
-    return [[index, [_encoded(item) for item in arg]] for index, arg in enumerate(args) if isinstance(arg, list)]
+    return [[index, [encoded(item) for item in arg]] for index, arg in enumerate(args) if isinstance(arg, list)]
 
 
 def _returned(got: Any, args: tuple) -> Any:
     """A member's answer as data: one of its own list arguments by position, anything else encoded."""
     same = next((index for index, arg in enumerate(args) if isinstance(arg, list) and got is arg), None)
-    return {"argument": same} if same is not None else _encoded(got)
+    return {"argument": same} if same is not None else encoded(got)
 
 
-def _encoded(value: Any) -> Any:
+def encoded(value: Any) -> Any:
     """Plain values as they are; lists, tuples and dataclasses (by class name) item by item; integers and reals
     of other types (numpy's) by their value; anything else as its text and truth."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, (list, tuple)):
-        return {type(value).__name__ if type(value) in (list, tuple) else "list": [_encoded(v) for v in value]}
+        return {type(value).__name__ if type(value) in (list, tuple) else "list": [encoded(v) for v in value]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"kind": type(value).__name__, "fields": [_encoded(getattr(value, f.name))
+        return {"kind": type(value).__name__, "fields": [encoded(getattr(value, f.name))
                                                          for f in dataclasses.fields(value)]}
     return _as_data(value, ())
 
 
-def _decoded(data: Any, kinds: dict) -> Any:
-    """The value :func:`_encoded` wrote; a dataclass of a kind the check does not name, or text, as a stand-in."""
+def decoded(data: Any, kinds: dict) -> Any:
+    """The value :func:`encoded` wrote; a dataclass of a kind the check does not name, or text, as a stand-in."""
     if not isinstance(data, dict):
         return data
     if isinstance(data.get("list"), list) or isinstance(data.get("iterator"), list):
-        return [_decoded(v, kinds) for v in data.get("list", data.get("iterator"))]
+        return [decoded(v, kinds) for v in data.get("list", data.get("iterator"))]
     if isinstance(data.get("tuple"), list):
-        return tuple(_decoded(v, kinds) for v in data["tuple"])
+        return tuple(decoded(v, kinds) for v in data["tuple"])
     kind = kinds.get(str(data.get("kind")))
     if kind is not None and isinstance(data.get("fields"), list):
         try:
-            return kind(*[_decoded(v, kinds) for v in data["fields"]])
+            return kind(*[decoded(v, kinds) for v in data["fields"]])
         except TypeError:
             pass
     return StandIn(str(data.get("stand_in", data)), bool(data.get("truthy", True)))
@@ -415,7 +415,7 @@ def _as_data(got: Any, enums: tuple[type, ...]) -> Any:
     return {"stand_in": repr(got)[:500], "truthy": bool(got)}
 
 
-def _error(name: str, known: dict[str, type]) -> type:
+def error_named(name: str, known: dict[str, type]) -> type:
     """The class to raise for an error the learner's piece raised in the sandbox, by its name."""
     cls = known.get(name) or getattr(builtins, name, None)
     if isinstance(cls, type) and issubclass(cls, Exception):

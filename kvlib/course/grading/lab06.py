@@ -2,7 +2,7 @@
 
 Unit checks act on sequences sized from the seed, one rule per check, observing moves, tables and reference
 counts (kvlib's own methods set a scene only where the task leaves them). Engine checks serve swapping,
-recomputing, partial and host-starved workloads, observing tokens and preemption counters.
+recomputing, partial and host-starved workloads (tokens, preemption counters); all run in the grader (``MOVES``).
 """
 from __future__ import annotations
 
@@ -11,19 +11,25 @@ from collections import Counter
 from functools import partial
 
 from kvlib.config import EngineConfig, SamplingParams
+from kvlib.core.block_manager import BlockManager
 from kvlib.core.pieces import Pieces, build_core
 from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
+from kvlib.course.grading.overrides import overrides_of
 from kvlib.course.grading.serving import random_tokens, serve_checked
 
 HIDDEN = {name: f"kvlib.core.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
                                                                         "host_blocks_needed")}
 _block_manager = kvlibs_own("kvlib.core.block_manager:BlockManager")
 
-swap = Task("swap", ("MyBlockManager",), tuple(v for k, v in HIDDEN.items() if k != "drop"), _block_manager)
-drop = Task("drop", ("MyBlockManager",), (HIDDEN["drop"],), _block_manager)
-engine = Task("engine", ("MyBlockManager",), tuple(HIDDEN.values()), _block_manager)
+MOVES = overrides_of(BlockManager, tuple(HIDDEN), ("take", "take_host", "share", "release", "release_host", "copy_out",
+                                                   "copy_in", "hold_host"), ("device_pool", "host_pool"),
+                     ("moves.swap_out", "moves.swap_in", "moves.copies", "_held_host"))
+swap = Task("swap", ("MyBlockManager",), tuple(v for k, v in HIDDEN.items() if k != "drop"), _block_manager,
+            decisions=MOVES)
+drop = Task("drop", ("MyBlockManager",), (HIDDEN["drop"],), _block_manager, decisions=MOVES)
+engine = Task("engine", ("MyBlockManager",), tuple(HIDDEN.values()), _block_manager, decisions=MOVES)
 TASKS = [swap, drop, engine]
 check_swap, check_drop, check_engine = swap.grade, drop.grade, engine.grade
 BS = 4
@@ -230,8 +236,7 @@ def _serve(cls, rng: random.Random, check: str) -> dict:
     from kvlib import LLM, EngineConfig
     _, config, counters, _ = WORKLOADS[check]
     system = random_tokens(rng, 12 if config.get("partial_preemption") else 0)
-    prompts = [system + random_tokens(rng, 2 + 3 * i if system else 6 + 3 * i)
-               for i in range(5 if system else 6)]
+    prompts = [system + random_tokens(rng, 2 + 3 * i if system else 6 + 3 * i) for i in range(5 if system else 6)]
     params = [SamplingParams(max_tokens=16 if system else 10, n=2 if system and i in (1, 3) else 1, ignore_eos=True)
               for i in range(len(prompts))]
     llm = LLM("default", EngineConfig(device="cpu", **config), block_manager=cls, verbose=False)
