@@ -21,6 +21,11 @@ from kvlib.core.block_table import BlockTable
 _seq_ids = itertools.count()
 
 
+def new_seq_id() -> int:
+    """The next sequence id: ids grow in the order sequences are made, in every process alike."""
+    return next(_seq_ids)
+
+
 class SequenceStatus(Enum):
     WAITING = "waiting"  # not yet prefilled, or preempted by recompute
     RUNNING = "running"
@@ -49,7 +54,7 @@ class Sequence:
     arrival_time: float
     seed: Optional[int] = None  # the request's seed (SamplingParams.seed, or one the engine derived)
     sample_index: int = 0
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    seq_id: int = field(default_factory=lambda: new_seq_id())
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens whose K/V are in the device cache

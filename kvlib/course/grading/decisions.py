@@ -372,10 +372,12 @@ def _returned(got: Any, args: tuple) -> Any:
 
 
 def encoded(value: Any) -> Any:
-    """Plain values as they are; lists, tuples and dataclasses (by class name) item by item; integers and reals
-    of other types (numpy's) by their value; anything else as its text and truth."""
+    """Plain values as they are; lists, tuples and dataclasses (by class name) item by item; enums by class and
+    member name; integers and reals of other types (numpy's) by their value; anything else as its text and truth."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if isinstance(value, enum.Enum):
+        return {"enum": type(value).__name__, "name": value.name}
     if isinstance(value, (list, tuple)):
         return {type(value).__name__ if type(value) in (list, tuple) else "list": [encoded(v) for v in value]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -392,6 +394,9 @@ def decoded(data: Any, kinds: dict) -> Any:
         return [decoded(v, kinds) for v in data.get("list", data.get("iterator"))]
     if isinstance(data.get("tuple"), list):
         return tuple(decoded(v, kinds) for v in data["tuple"])
+    if "enum" in data:
+        member = getattr(kinds.get(str(data["enum"])), str(data.get("name")), None)
+        return member if isinstance(member, enum.Enum) else StandIn(f"{data['enum']}.{data.get('name')}")
     kind = kinds.get(str(data.get("kind")))
     if kind is not None and isinstance(data.get("fields"), list):
         try:

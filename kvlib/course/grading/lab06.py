@@ -10,24 +10,25 @@ import random
 from collections import Counter
 from functools import partial
 
-from kvlib.config import EngineConfig, SamplingParams
+from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.core.block_manager import BlockManager
 from kvlib.core.pieces import Pieces, build_core
 from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
-from kvlib.course.grading.overrides import overrides_of
+from kvlib.course.grading.overrides import Overridable, overrides_of
 from kvlib.course.grading.serving import random_tokens, serve_checked
 
 HIDDEN = {name: f"kvlib.core.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
                                                                         "host_blocks_needed")}
 _block_manager = kvlibs_own("kvlib.core.block_manager:BlockManager")
-
-MOVES = overrides_of(BlockManager, tuple(HIDDEN), ("take", "take_host", "share", "release", "release_host", "copy_out",
-                                                   "copy_in", "hold_host"), ("device_pool", "host_pool"),
-                     ("moves.swap_out", "moves.swap_in", "moves.copies", "_held_host"))
-swap = Task("swap", ("MyBlockManager",), tuple(v for k, v in HIDDEN.items() if k != "drop"), _block_manager,
-            decisions=MOVES)
+POOLS = ("device_pool", "host_pool")
+MOVES = overrides_of(Overridable(
+    BlockManager, tuple(HIDDEN), ("take", "take_host", "share", "release", "release_host", "copy_out", "copy_in",
+                                  "hold_host"), {pool: ("allocate", "fork", "free") for pool in POOLS},
+    ("moves.swap_out", "moves.swap_in", "moves.copies", "_held_host"), POOLS))
+SWAP = tuple(HIDDEN[k] for k in HIDDEN if k != "drop")
+swap = Task("swap", ("MyBlockManager",), SWAP, _block_manager, decisions=MOVES)
 drop = Task("drop", ("MyBlockManager",), (HIDDEN["drop"],), _block_manager, decisions=MOVES)
 engine = Task("engine", ("MyBlockManager",), tuple(HIDDEN.values()), _block_manager, decisions=MOVES)
 TASKS = [swap, drop, engine]
@@ -233,7 +234,6 @@ MAX_STEPS = 500
 
 
 def _serve(cls, rng: random.Random, check: str) -> dict:
-    from kvlib import LLM, EngineConfig
     _, config, counters, _ = WORKLOADS[check]
     system = random_tokens(rng, 12 if config.get("partial_preemption") else 0)
     prompts = [system + random_tokens(rng, 2 + 3 * i if system else 6 + 3 * i) for i in range(5 if system else 6)]

@@ -1,52 +1,76 @@
 """Decisions of a subclass: the methods a learner overrides, recorded by what they did, and done again by the grader.
 
-Lab 06's learner writes the preemption mechanisms of a ``BlockManager`` subclass; they act through the block
-manager's own block actions (``take``, ``release``, ``copy_out``, ...) on the sequences they are given. In the
-sandbox each call of an overridden method is recorded with the actions it took (with their answers), what the
-allocators were asked directly, every sequence it was given as the call left it, the pools' reference counts
-then, and its own answer. The grader's subclass answers each call by doing the same to its own block manager and
-sequences, so the scenario, the engine and the invariant checks it measures run where the learner's code never
-was; a call that does or leaves something else there than in the sandbox fails the check.
+Lab 04's learner writes a ``Scheduler`` subclass's scheduling step and lab 06's a ``BlockManager`` subclass's
+preemption mechanisms; both act through their base class's own actions (``start``, ``make_room``, ``move``;
+``take``, ``release``, ``copy_out``, ...) and the objects it holds (a block manager, allocators) on sequences.
+In the sandbox each call of an overridden method is recorded with the acts it did, in order (with their answers),
+the lists it may reorder or fill as the call left them (the queues, a step's planned moves), the sequences it
+was given as the call left them, the pools' reference counts then, and its own answer. The grader's subclass
+answers each call by doing the same to its own objects, so the scenario, the engine and the invariant checks it
+measures run where the learner's code never was; a call that does or leaves something else there fails the check.
+Sequences are named by when they were made, counted from the instance's own making (``new_seq_id``), so a record
+names the grader's sequences as well as the sandbox's.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvlib.core.sequence import Sequence
+from kvlib.core.sequence import Sequence, new_seq_id
 from kvlib.course.grading.checks import CheckFailed
 from kvlib.course.grading.decisions import Answers, Decisions, decoded, encoded, error_named
 
 
-def overrides_of(base: type, methods: tuple[str, ...], actions: tuple[str, ...], pools: tuple[str, ...],
-                 lists: tuple[str, ...] = ()) -> Decisions:
-    """``methods`` of the learner's subclass of ``base``, which act through ``actions`` of the instance and the
-    allocators named ``pools`` on the :class:`Sequence` objects among their arguments; the instance's ``lists``
-    (dotted paths: a step's planned moves) are recorded as each call left them, and so left by the grader."""
+@dataclass(frozen=True)
+class Overridable:
+    """What a learner's subclass of ``base`` overrides (``methods``) and how those methods may act.
+
+    ``actions``: the instance's own methods they call, each recorded and done again; ``held``: attributes holding
+    objects whose methods they call, with those recorded (``{"bm": ("admit", ...)}``); ``lists``: dotted paths of
+    lists they may fill or reorder, kept as each call left them; ``pools``: dotted paths of allocators whose
+    reference counts must agree after each call; ``sequences``: every sequence the instance knows of;
+    ``kinds``: the dataclasses and enums their answers and arguments may hold."""
+
+    base: type
+    methods: tuple[str, ...]
+    actions: tuple[str, ...]
+    held: dict
+    lists: tuple[str, ...] = ()
+    pools: tuple[str, ...] = ()
+    sequences: Callable[[Any], list] = lambda instance: []
+    kinds: tuple[type, ...] = ()
+
+
+def overrides_of(spec: Overridable) -> Decisions:
+    kinds = {cls.__name__: cls for cls in spec.kinds}
+
     def record(cls, log: list) -> type:
         class Recorded(cls):
             def __init__(self, *args, **kwargs):
+                self.first_seq_id = new_seq_id()
                 super().__init__(*args, **kwargs)
                 self.graded_calls: list[_Call] = []
-                for name in pools:
-                    setattr(self, name, _Pool(getattr(self, name), name, self.graded_calls))
+                for name, acts in spec.held.items():
+                    setattr(self, name, _Held(getattr(self, name), name, acts, self.graded_calls))
 
         def overridden(name: str):
             def call(self, *args):
                 if self.graded_calls:  # one graded method calling another: its acts are the outer call's
                     return getattr(cls, name)(self, *args)
-                current = _Call(args)
+                current = _Call(args, self.first_seq_id)
                 entry = [name, current.effects]
                 log.append(entry)
                 self.graded_calls.append(current)
                 try:
                     got = getattr(cls, name)(self, *args)
                 except Exception as exc:
-                    entry += [_left(args), _lists(self, lists), _counts(self, pools),
+                    entry += [_left(args, current), _lists(self, spec.lists, current), _counts(self, spec.pools),
                               {"raised": type(exc).__name__, "message": str(exc)[:500]}]
                     raise
                 finally:
                     self.graded_calls.pop()
-                entry += [_left(args), _lists(self, lists), _counts(self, pools), current.encoded(got)]
+                entry += [_left(args, current), _lists(self, spec.lists, current), _counts(self, spec.pools),
+                          current.encoded(got)]
                 return got
             return call
 
@@ -58,9 +82,9 @@ def overrides_of(base: type, methods: tuple[str, ...], actions: tuple[str, ...],
                     return getattr(cls, name)(self, *args)
                 return current.kept("self", name, args, lambda: getattr(cls, name)(self, *args))
             return act
-        for name in actions:
+        for name in spec.actions:
             setattr(Recorded, name, action(name))
-        for name in methods:
+        for name in spec.methods:
             setattr(Recorded, name, overridden(name))
         Recorded.__name__ = cls.__name__
         return Recorded
@@ -71,37 +95,46 @@ def overrides_of(base: type, methods: tuple[str, ...], actions: tuple[str, ...],
             if not (isinstance(entry, list) and len(entry) == 6 and entry[0] == name and isinstance(entry[1], list)):
                 raise CheckFailed(f"the sandbox's record parts from the grader's calls at call {answers.next}: the "
                                   f"grader called {name}; the reply does not come from this check")
+            known = _Known(self, args, spec, kinds)
             for effect in entry[1]:
-                _do_again(self, effect, args, actions, pools)
-            given = _sequences(args)
-            for where, state in entry[2] if isinstance(entry[2], list) else ():
-                seq = given.get(tuple(where) if isinstance(where, list) else None)
-                if seq is None or not (isinstance(state, list) and len(state) == 4):
-                    raise CheckFailed("the sandbox's record names a sequence your method was not given")
+                _do_again(self, effect, known, spec)
+            for named, state in entry[2] if isinstance(entry[2], list) else ():
+                seq = known.value(named)
+                if not (isinstance(seq, Sequence) and isinstance(state, list) and len(state) == 4):
+                    raise CheckFailed("the sandbox's record of a sequence is not one")
                 seq.host_blocks, seq.block_table.blocks, seq.num_computed_tokens, seq.block_hashes = (
                     list(state[0]), list(state[1]), state[2], list(state[3]))
-            for path, items in zip(lists, entry[3] if isinstance(entry[3], list) else ()):
-                _at(self, path)[:] = [decoded(item, {}) for item in items]
-            if _counts(self, pools) != entry[4]:
+            for path, items in zip(spec.lists, entry[3] if isinstance(entry[3], list) else ()):
+                _at(self, path)[:] = [known.value(item) for item in items]
+            if _counts(self, spec.pools) != entry[4]:
                 raise CheckFailed(f"after {name}, the grader's pools hold other reference counts than the sandbox's "
-                                  f"did: change blocks only through the block manager's actions ({', '.join(actions)})"
-                                  f" or its allocators, so the grader can do the same")
+                                  f"did: change blocks only through {', '.join(spec.actions)} or the objects "
+                                  f"{spec.base.__name__} holds, so the grader can do the same")
             outcome = entry[5]
             if isinstance(outcome, dict) and "raised" in outcome:
                 raise error_named(str(outcome["raised"]), {})(str(outcome.get("message", "")))
-            return decoded(outcome, {})
+            return known.value(outcome)
+
+        def __init__(self, *args, **kwargs):
+            self.first_seq_id = new_seq_id()
+            spec.base.__init__(self, *args, **kwargs)
 
         def member(name: str):
             return lambda self, *args: redone(self, name, args)
-        return type("Replayed", (base,), {name: member(name) for name in methods})
+        body = {"__init__": __init__, **{name: member(name) for name in spec.methods}}
+        return type("Replayed", (spec.base,), body)
     return Decisions(record, replay)
 
 
-class _Call:
-    """One graded call: the sequences it was given, and what it did, as [target, act, args, answer]."""
+def _key(seq: Sequence, first_seq_id: int) -> int:
+    return seq.seq_id - first_seq_id
 
-    def __init__(self, args: tuple):
-        self.where = {id(seq): list(at) for at, seq in _sequences(args).items()}
+
+class _Call:
+    """One graded call: what it did, as [target, act, args, answer], and how it names what it was given."""
+
+    def __init__(self, args: tuple, first_seq_id: int):
+        self.args, self.first_seq_id = args, first_seq_id
         self.effects: list = []
         self.acting = False  # inside an action: what the action does is the action's, not the call's
 
@@ -119,42 +152,66 @@ class _Call:
         return got
 
     def encoded(self, value: Any) -> Any:
-        """A sequence the call was given by where it was given; anything else as data."""
+        """A sequence by when it was made, an object the call was given by its place, else as data."""
         if isinstance(value, Sequence):
-            return {"sequence": self.where.get(id(value))}
+            return {"sequence": _key(value, self.first_seq_id)}
+        if isinstance(value, list):
+            return {"list": [self.encoded(item) for item in value]}
+        place = next((i for i, arg in enumerate(self.args) if arg is value), None)
+        if place is not None and not isinstance(value, (int, str, float, tuple, type(None))):
+            return {"argument": place}
         return encoded(value)
 
 
-class _Pool:
-    """An allocator whose ``allocate``/``fork``/``free`` are recorded when the graded code itself calls them."""
+class _Known:
+    """In the grader: the objects a record may name, for one call."""
 
-    def __init__(self, inner, name: str, calls: list):
-        self._inner, self._name, self._calls = inner, name, calls
+    def __init__(self, instance, args: tuple, spec: Overridable, kinds: dict):
+        self.instance, self.args, self.spec, self.kinds = instance, args, spec, kinds
+
+    def value(self, data: Any) -> Any:
+        if isinstance(data, dict) and "sequence" in data:
+            key, first = data["sequence"], self.instance.first_seq_id
+            known = {_key(seq, first): seq for seq in [*_given(self.args), *self.spec.sequences(self.instance)]}
+            seq = known.get(key) if isinstance(key, int) else None
+            if seq is None:
+                raise CheckFailed(f"the sandbox's record names a sequence {str(key)[:80]} the grader's run does not "
+                                  f"have; the reply does not come from this check")
+            return seq
+        if isinstance(data, dict) and "argument" in data:
+            place = data["argument"]
+            if not (isinstance(place, int) and 0 <= place < len(self.args)):
+                raise CheckFailed("the sandbox's record names an argument the call was not given")
+            return self.args[place]
+        if isinstance(data, dict) and isinstance(data.get("list"), list):
+            return [self.value(item) for item in data["list"]]
+        return decoded(data, self.kinds)
+
+
+class _Held:
+    """An object the instance holds, whose ``acts`` are recorded when the graded code itself calls them."""
+
+    def __init__(self, inner, name: str, acts: tuple[str, ...], calls: list):
+        self._inner, self._name, self._acts, self._calls = inner, name, acts, calls
 
     def __getattr__(self, name: str):
         attribute = getattr(self._inner, name)
         current = self._calls[-1] if self._calls else None
-        if name not in ("allocate", "fork", "free") or current is None or current.acting:
+        if name not in self._acts or current is None or current.acting:
             return attribute
         return lambda *args: current.kept(self._name, name, args, lambda: attribute(*args))
 
 
-def _sequences(args: tuple) -> dict:
-    """Each Sequence among ``args`` by where: (argument,) or (argument, item) for one in a list argument."""
-    found = {}
-    for i, arg in enumerate(args):
-        if isinstance(arg, Sequence):
-            found[(i,)] = arg
-        elif isinstance(arg, list):
-            found.update(((i, j), item) for j, item in enumerate(arg) if isinstance(item, Sequence))
-    return found
+def _given(args: tuple) -> list:
+    """The sequences among ``args``, and in list arguments."""
+    return [item for arg in args for item in (arg if isinstance(arg, list) else [arg]) if isinstance(item, Sequence)]
 
 
-def _left(args: tuple) -> list:
+def _left(args: tuple, call: _Call) -> list:
     """Every sequence the call was given, as it left it."""
-    return [[list(at), [[encoded(b) for b in seq.host_blocks], [encoded(b) for b in seq.block_table.blocks],
-                        encoded(seq.num_computed_tokens), [encoded(h) for h in seq.block_hashes]]]
-            for at, seq in _sequences(args).items()]
+    return [[call.encoded(seq), [[encoded(b) for b in seq.host_blocks], [encoded(b) for b in seq.block_table.blocks],
+                         encoded(seq.num_computed_tokens), [encoded(h) for h in seq.block_hashes]]]
+            for seq in _given(args)]
 
 
 def _at(obj, path: str) -> Any:
@@ -163,42 +220,26 @@ def _at(obj, path: str) -> Any:
     return obj
 
 
-def _lists(obj, paths: tuple[str, ...]) -> list:
-    return [[encoded(item) for item in _at(obj, path)] for path in paths]
+def _lists(obj, paths: tuple[str, ...], call: _Call) -> list:
+    return [[call.encoded(item) for item in _at(obj, path)] for path in paths]
 
 
-def _counts(bm, pools: tuple[str, ...]) -> list:
+def _counts(obj, pools: tuple[str, ...]) -> list:
     """Every block's reference count in each pool."""
-    counted = []
-    for name in pools:
-        pool = getattr(bm, name)
-        counted.append([pool.ref_count(block) for block in range(pool.num_blocks)])
-    return counted
+    return [[pool.ref_count(block) for block in range(pool.num_blocks)] for pool in (_at(obj, p) for p in pools)]
 
 
-def _do_again(bm, effect: Any, args: tuple, actions: tuple[str, ...], pools: tuple[str, ...]) -> None:
+def _do_again(instance, effect: Any, known: _Known, spec: Overridable) -> None:
     """Do in the grader what the graded call did in the sandbox; it must answer as it answered there."""
     if not (isinstance(effect, list) and len(effect) == 4 and isinstance(effect[2], list) and
-            ((effect[0] == "self" and effect[1] in actions) or (effect[0] in pools and effect[1] in
-                                                                ("allocate", "fork", "free")))):
+            ((effect[0] == "self" and effect[1] in spec.actions) or effect[1] in spec.held.get(effect[0], ()))):
         raise CheckFailed(f"the sandbox recorded {str(effect)[:200]} as something your method did; the reply does "
                           f"not come from this check")
     target, act, act_args, answer = effect
-    given = _sequences(args)
-    where = {id(seq): list(at) for at, seq in given.items()}
-
-    def value(data: Any) -> Any:
-        if isinstance(data, dict) and "sequence" in data:
-            at = data["sequence"]
-            seq = given.get(tuple(at) if isinstance(at, list) else None)
-            if seq is None:
-                raise CheckFailed("the sandbox's record names a sequence your method was not given")
-            return seq
-        return decoded(data, {})
-    method = getattr(bm if target == "self" else getattr(bm, target), act)
+    method = getattr(instance if target == "self" else getattr(instance, target), act)
+    call = _Call(known.args, instance.first_seq_id)
     try:
-        got = method(*[value(a) for a in act_args])
-        got = {"sequence": where.get(id(got))} if isinstance(got, Sequence) else encoded(got)
+        got = call.encoded(method(*[known.value(a) for a in act_args]))
     except CheckFailed:
         raise
     except Exception as exc:
