@@ -427,3 +427,49 @@ def test_lab_06s_record_done_again_gives_what_the_mechanisms_gave():
             direct = observe(check, piece, 4)
             assert observe(check, lab06.MOVES.record(piece, log), 4) == direct and log, check.name
             assert measured(lab06.swap, check, Observed(DECIDED, log), 4) == direct, check.name
+
+
+def _scheduler_blind_to_the_budget():
+    from kvlib.core.scheduler import Scheduler
+    from kvlib.core.sequence import SequenceStatus
+
+    class BudgetBlind(Scheduler):
+        """Gives every running sequence all its uncomputed tokens and takes none from the budget, which the
+        waiting sequences then get whole: the tokens come out right, the budget is broken."""
+
+        def schedule_running(self, out, budget):
+            for seq in list(self.running):
+                if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens == 0:
+                    continue
+                num_new = seq.num_uncomputed_tokens
+                end = seq.num_computed_tokens + num_new
+                if self.make_room(seq, end, out):
+                    self.start(seq, num_new, end, out)
+            return budget
+    return BudgetBlind
+
+
+def test_lab_04s_step_is_done_again_by_the_grader_so_switching_off_the_plan_checks_gains_nothing(monkeypatch):
+    """A scheduler that ignores the token budget serves the right tokens; only the checks of every plan catch it.
+    The sandbox could serve without them (``c = lab04; c.checked = ...``); now the grader replays the step itself."""
+    from kvlib.course.grading import lab04
+    from kvlib.course.grading.decisions import decided
+    check = lab04.engine.named("serves_chunked_prefills_and_recomputation")
+    reference = observe(check, lab04.engine.reference(), 3)
+    blind = _scheduler_blind_to_the_budget()
+    with monkeypatch.context() as sandbox:
+        sandbox.setattr(lab04, "checked", lambda scheduler_cls: scheduler_cls)
+        assert verdict(check, observe(check, blind, 3), reference).status == PASS  # the cheat is real
+        sent = decided(lab04.engine, check, blind, 3)
+    result = verdict(check, measured(lab04.engine, check, sent, 3), reference)
+    assert sent.status == DECIDED and result.status == FAIL and "past the budget" in result.message
+
+
+def test_lab_04s_record_done_again_gives_what_the_step_gave():
+    from kvlib.course.grading import lab04
+    for piece in (lab04.engine.reference(), _scheduler_blind_to_the_budget()):
+        for check in [*lab04.running.checks[:2], *lab04.waiting.checks[:3], lab04.engine.checks[1]]:
+            log: list = []
+            direct = observe(check, piece, 2)
+            assert observe(check, lab04.STEP.record(piece, log), 2) == direct and log, check.name
+            assert measured(lab04.engine, check, Observed(DECIDED, log), 2) == direct, check.name

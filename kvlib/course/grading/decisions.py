@@ -229,7 +229,7 @@ def acts_on(protocol: type, acts: tuple[str, ...], errors: tuple[type, ...] = ()
     members = protocol_members(protocol)
     properties = {name for name in members if isinstance(getattr(protocol, name, None), property)}
     kinds_by_name = {cls.__name__: cls for cls in kinds}
-    errors_by_name = {cls.__name__: cls for cls in errors}
+    errors_by_name = {cls.__name__: cls for cls in (CheckFailed, *errors)}  # a check of the scenario's that failed
 
     def record(cls, log: list) -> type:
         numbers_given = itertools.count()

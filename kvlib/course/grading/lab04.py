@@ -10,22 +10,22 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from kvlib.core.model_free import ModelFreeEngine
-from kvlib.core.model_free import Request
+from kvlib.core.model_free import ModelFreeEngine, Request
 from kvlib.config import EngineConfig, SamplingParams
 from kvlib.core.invariants import InvariantError, check_invariants
 from kvlib.core.sequence import SequenceStatus
 from kvlib.course.grading.checks import FEEDBACK_SEED, CheckFailed, Task, expect
 from kvlib.course.grading.hidden import hiding, kvlibs_own
+from kvlib.course.grading.overrides import SCHEDULING_STEP, overrides_of
 from kvlib.course.grading.serving import random_tokens, serve_checked
 
-GRADED = ("schedule_running", "schedule_waiting")
-HIDDEN = {name: (f"kvlib.core.scheduler:Scheduler.{name}",) for name in GRADED}
+HIDDEN = {name: (f"kvlib.core.scheduler:Scheduler.{name}",) for name in SCHEDULING_STEP.methods}
 _scheduler = kvlibs_own("kvlib.core.scheduler:Scheduler")
 
-running = Task("schedule_running", ("MyScheduler",), HIDDEN["schedule_running"], _scheduler)
-waiting = Task("schedule_waiting", ("MyScheduler",), HIDDEN["schedule_waiting"], _scheduler)
-engine = Task("engine", ("MyScheduler",), HIDDEN["schedule_running"] + HIDDEN["schedule_waiting"], _scheduler)
+STEP = overrides_of(SCHEDULING_STEP)
+running = Task("schedule_running", ("MyScheduler",), HIDDEN["schedule_running"], _scheduler, decisions=STEP)
+waiting = Task("schedule_waiting", ("MyScheduler",), HIDDEN["schedule_waiting"], _scheduler, decisions=STEP)
+engine = Task("engine", ("MyScheduler",), sum(HIDDEN.values(), ()), _scheduler, decisions=STEP)
 TASKS = [running, waiting, engine]
 check_schedule_running, check_schedule_waiting, check_engine = running.grade, waiting.grade, engine.grade
 

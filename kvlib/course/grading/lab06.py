@@ -11,22 +11,16 @@ from collections import Counter
 from functools import partial
 
 from kvlib import LLM, EngineConfig, SamplingParams
-from kvlib.core.block_manager import BlockManager
 from kvlib.core.pieces import Pieces, build_core
 from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, expect
 from kvlib.course.grading.hidden import kvlibs_own
-from kvlib.course.grading.overrides import Overridable, overrides_of
+from kvlib.course.grading.overrides import PREEMPTION_MECHANISMS, overrides_of
 from kvlib.course.grading.serving import random_tokens, serve_checked
 
-HIDDEN = {name: f"kvlib.core.block_manager:BlockManager.{name}" for name in ("swap_out", "swap_in", "drop",
-                                                                        "host_blocks_needed")}
+HIDDEN = {name: f"kvlib.core.block_manager:BlockManager.{name}" for name in PREEMPTION_MECHANISMS.methods}
 _block_manager = kvlibs_own("kvlib.core.block_manager:BlockManager")
-POOLS = ("device_pool", "host_pool")
-MOVES = overrides_of(Overridable(
-    BlockManager, tuple(HIDDEN), ("take", "take_host", "share", "release", "release_host", "copy_out", "copy_in",
-                                  "hold_host"), {pool: ("allocate", "fork", "free") for pool in POOLS},
-    ("moves.swap_out", "moves.swap_in", "moves.copies", "_held_host"), POOLS))
+MOVES = overrides_of(PREEMPTION_MECHANISMS)
 SWAP = tuple(HIDDEN[k] for k in HIDDEN if k != "drop")
 swap = Task("swap", ("MyBlockManager",), SWAP, _block_manager, decisions=MOVES)
 drop = Task("drop", ("MyBlockManager",), (HIDDEN["drop"],), _block_manager, decisions=MOVES)

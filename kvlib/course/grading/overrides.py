@@ -16,7 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from kvlib.core.sequence import Sequence, new_seq_id
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.prefix_cache import PrefixHit
+from kvlib.core.scheduler import Scheduler
+from kvlib.core.sequence import Sequence, SequenceStatus, new_seq_id
 from kvlib.course.grading.checks import CheckFailed
 from kvlib.course.grading.decisions import Answers, Decisions, decoded, encoded, error_named
 
@@ -41,8 +44,22 @@ class Overridable:
     kinds: tuple[type, ...] = ()
 
 
+# Lab 04: the scheduling step, acting through the scheduler's own actions and its block manager.
+SCHEDULING_STEP = Overridable(
+    Scheduler, ("schedule_running", "schedule_waiting"), ("make_room", "start", "move"),
+    {"bm": ("swap_in", "admit", "grow", "swap_out", "drop")}, ("running", "waiting", "swapped"),
+    ("bm.device_pool", "bm.host_pool"), lambda scheduler: [*scheduler.running, *scheduler.waiting, *scheduler.swapped],
+    (PrefixHit,))
+# Lab 06: the preemption mechanisms, acting through the block manager's block actions and its allocators.
+PREEMPTION_MECHANISMS = Overridable(
+    BlockManager, ("swap_out", "swap_in", "drop", "host_blocks_needed"),
+    ("take", "take_host", "share", "release", "release_host", "copy_out", "copy_in", "hold_host"),
+    {pool: ("allocate", "fork", "free") for pool in ("device_pool", "host_pool")},
+    ("moves.swap_out", "moves.swap_in", "moves.copies", "_held_host"), ("device_pool", "host_pool"))
+
+
 def overrides_of(spec: Overridable) -> Decisions:
-    kinds = {cls.__name__: cls for cls in spec.kinds}
+    kinds = {cls.__name__: cls for cls in (SequenceStatus, *spec.kinds)}
 
     def record(cls, log: list) -> type:
         class Recorded(cls):
@@ -64,13 +81,13 @@ def overrides_of(spec: Overridable) -> Decisions:
                 try:
                     got = getattr(cls, name)(self, *args)
                 except Exception as exc:
-                    entry += [_left(args, current), _lists(self, spec.lists, current), _counts(self, spec.pools),
-                              {"raised": type(exc).__name__, "message": str(exc)[:500]}]
+                    entry += [_left(self, args, spec, current), _lists(self, spec.lists, current),
+                              _counts(self, spec.pools), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
                     raise
                 finally:
                     self.graded_calls.pop()
-                entry += [_left(args, current), _lists(self, spec.lists, current), _counts(self, spec.pools),
-                          current.encoded(got)]
+                entry += [_left(self, args, spec, current), _lists(self, spec.lists, current),
+                          _counts(self, spec.pools), current.encoded(got)]
                 return got
             return call
 
@@ -100,10 +117,11 @@ def overrides_of(spec: Overridable) -> Decisions:
                 _do_again(self, effect, known, spec)
             for named, state in entry[2] if isinstance(entry[2], list) else ():
                 seq = known.value(named)
-                if not (isinstance(seq, Sequence) and isinstance(state, list) and len(state) == 4):
+                if not (isinstance(seq, Sequence) and isinstance(state, list) and len(state) == 5):
                     raise CheckFailed("the sandbox's record of a sequence is not one")
                 seq.host_blocks, seq.block_table.blocks, seq.num_computed_tokens, seq.block_hashes = (
                     list(state[0]), list(state[1]), state[2], list(state[3]))
+                seq.status = known.value(state[4])
             for path, items in zip(spec.lists, entry[3] if isinstance(entry[3], list) else ()):
                 _at(self, path)[:] = [known.value(item) for item in items]
             if _counts(self, spec.pools) != entry[4]:
@@ -112,7 +130,7 @@ def overrides_of(spec: Overridable) -> Decisions:
                                   f"{spec.base.__name__} holds, so the grader can do the same")
             outcome = entry[5]
             if isinstance(outcome, dict) and "raised" in outcome:
-                raise error_named(str(outcome["raised"]), {})(str(outcome.get("message", "")))
+                raise error_named(str(outcome["raised"]), {"CheckFailed": CheckFailed})(str(outcome.get("message", "")))
             return known.value(outcome)
 
         def __init__(self, *args, **kwargs):
@@ -207,11 +225,12 @@ def _given(args: tuple) -> list:
     return [item for arg in args for item in (arg if isinstance(arg, list) else [arg]) if isinstance(item, Sequence)]
 
 
-def _left(args: tuple, call: _Call) -> list:
-    """Every sequence the call was given, as it left it."""
+def _left(instance, args: tuple, spec: Overridable, call: _Call) -> list:
+    """Every sequence the call was given or the instance knows, as it left it."""
+    seqs = {seq.seq_id: seq for seq in [*_given(args), *spec.sequences(instance)]}.values()
     return [[call.encoded(seq), [[encoded(b) for b in seq.host_blocks], [encoded(b) for b in seq.block_table.blocks],
-                         encoded(seq.num_computed_tokens), [encoded(h) for h in seq.block_hashes]]]
-            for seq in _given(args)]
+                                 encoded(seq.num_computed_tokens), [encoded(h) for h in seq.block_hashes],
+                                 encoded(seq.status)]] for seq in seqs]
 
 
 def _at(obj, path: str) -> Any:
