@@ -296,7 +296,8 @@ def test_lab_05s_record_done_again_gives_what_the_piece_gave_and_parts_when_forg
     check = lab05.copy_on_write.named("shared_block_gets_a_copy")
     log = []
     observe(check, lab05.ACTS.record(BlockSharing, log), 9)
-    taken = [[n, name, [[i, act, args, answer + 1 if act is None else answer] for i, act, args, answer in effects],
+    taken = [[n, name, [[i, act, args, keywords, answer + 1 if act is None else answer]
+                        for i, act, args, keywords, answer in effects],
               tables, returned] for n, name, effects, tables, returned in log]  # take_block's blocks misreported
     failed = measured(lab05.copy_on_write, check, Observed(DECIDED, taken), 9)
     assert failed.status == FAIL and "does not come from this check" in failed.message

@@ -19,7 +19,7 @@ import numbers
 import operator
 from dataclasses import dataclass
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from kvlib.course.grading.checks import CheckFailed, Observed, observe
 from kvlib.course.grading.results import FAIL
@@ -221,10 +221,10 @@ def acts_on(protocol: type, acts: tuple[str, ...], errors: tuple[type, ...] = ()
     table, a ``take_block``; lab 10's tier: the host pool's allocator, given to its constructor). Each call, the
     constructor's included, is recorded with what it did, in order (every call of one of ``acts`` on an argument,
     and every call of a function argument, each with its answer or error), what every list argument holds when it
-    returns, and its own answer or error; an answer of one of ``kinds`` (dataclasses) is kept field by field, an
-    iterator item by item. The grader's class does the same to the grader's arguments, so the pools, the tables
-    and the engine it measures are its own; an act that answers there otherwise than it did in the sandbox means
-    the reply is not this check's."""
+    returns, and its own answer or error; an answer of one of ``kinds`` (dataclasses) is kept field by field, what
+    ``__iter__`` yields item by item. The grader's class does the same to the grader's arguments, so the pools, the
+    tables and the engine it measures are its own; an act that answers there otherwise than it did in the sandbox
+    means the reply is not this check's. An argument kept for later records into the call running then."""
     from kvlib.interfaces import protocol_members
     members = protocol_members(protocol)
     properties = {name for name in members if isinstance(getattr(protocol, name, None), property)}
@@ -238,35 +238,37 @@ def acts_on(protocol: type, acts: tuple[str, ...], errors: tuple[type, ...] = ()
             effects: list = []
             entry = [instance.number, name, effects]
             log.append(entry)
-            instance.calls.append(effects)  # what the constructor's arguments do now belongs to this call
-            given = [_acting(arg, index, acts, lambda: effects) for index, arg in enumerate(args)]
+            instance.calls.append(effects)  # what the arguments, this call's or kept ones, do now is this call's
+            given = [_acting(arg, index, acts, instance.running, kinds) for index, arg in enumerate(args)]
             try:
                 got = act(*given)
-                if isinstance(got, Iterator):  # recorded item by item, handed on as an iterator
+                if name == "__iter__" and isinstance(got, Iterator):  # recorded item by item, handed on as one
                     items = list(got)
-                    got, outcome = iter(items), {"iterator": [encoded(item) for item in items]}
+                    got, outcome = iter(items), {"iterator": [encoded(item, kinds) for item in items]}
                 else:
-                    outcome = _returned(got, args)
+                    outcome = _returned(got, args, kinds)
             except Exception as exc:
-                entry += [_lists(args), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
+                entry += [_lists(args, kinds), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
                 raise
             finally:
                 instance.calls.pop()
-            entry += [_lists(args), outcome]
+            entry += [_lists(args, kinds), outcome]
             return got
 
         def __init__(self, *args):
             self.number, self.calls = next(numbers_given), []
-            def running() -> list:  # the effects of the call running now
-                return self.calls[-1] if self.calls else []
-            outer = [_acting(arg, -1 - index, acts, running) for index, arg in enumerate(args)]
+            outer = [_acting(arg, -1 - index, acts, self.running, kinds) for index, arg in enumerate(args)]
             self.inner = recorded(self, "__init__", args, lambda *_: cls(*outer))
+
+        def running(self) -> list:
+            """The effects of the call running now (none: an act outside every call is not the piece's)."""
+            return self.calls[-1] if self.calls else []
 
         def member(name: str):
             if name in properties:
                 return property(lambda self: recorded(self, name, (), lambda: getattr(self.inner, name)))
             return lambda self, *args: recorded(self, name, args, getattr(self.inner, name))
-        body = {"__init__": __init__, **{name: member(name) for name in members}}
+        body = {"__init__": __init__, "running": running, **{name: member(name) for name in members}}
         return type(getattr(cls, "__name__", "Recorded"), (), body)
 
     def replay(answers: Answers) -> type:
@@ -303,39 +305,43 @@ def acts_on(protocol: type, acts: tuple[str, ...], errors: tuple[type, ...] = ()
 
 
 class _Acting:
-    """An argument whose ``acts`` are recorded, as [argument, act, args, answer], in the effects of the call
-    that ``effects()`` names (the call it was given to, or, for a constructor's argument, the call running now)."""
+    """An argument whose ``acts`` are recorded, as [argument, act, args, keywords, answer], in the effects of the
+    call ``effects()`` names: the call running now. It passes for the object it wraps (``isinstance``)."""
 
-    def __init__(self, inner, index: int, acts: tuple[str, ...], effects: Callable[[], list]):
-        self._inner, self._index, self._acts, self._effects = inner, index, acts, effects
+    def __init__(self, inner, index: int, acts: tuple[str, ...], effects: Callable[[], list], kinds: tuple):
+        self._inner, self._index, self._acts, self._effects, self._kinds = inner, index, acts, effects, kinds
+
+    @property
+    def __class__(self):
+        return type(self._inner)
 
     def __getattr__(self, name: str):
         attribute = getattr(self._inner, name)
         if name not in self._acts:
             return attribute
-        return lambda *args: _kept(self._effects(), [self._index, name, [encoded(a) for a in args]],
-                                   lambda: attribute(*args))
+        return lambda *args, **kwargs: _kept(self._effects(), self._index, name, args, kwargs, attribute, self._kinds)
 
 
-def _acting(arg: Any, index: int, acts: tuple[str, ...], effects: Callable[[], list]) -> Any:
+def _acting(arg: Any, index: int, acts: tuple[str, ...], effects: Callable[[], list], kinds: tuple) -> Any:
     """What the learner's code is handed for ``arg``: data as it is (a list's contents are read after the call),
     functions and objects with any of ``acts`` wrapped so that what the code does with them is recorded."""
     if arg is None or isinstance(arg, (list, tuple, int, str, float)):
         return arg
     if any(hasattr(arg, act) for act in acts):
-        return _Acting(arg, index, acts, effects)
+        return _Acting(arg, index, acts, effects, kinds)
     if callable(arg):
-        return lambda *args: _kept(effects(), [index, None, [encoded(a) for a in args]], lambda: arg(*args))
+        return lambda *args, **kwargs: _kept(effects(), index, None, args, kwargs, arg, kinds)
     return arg
 
 
-def _kept(effects: list, effect: list, act: Callable) -> Any:
+def _kept(effects: list, index: int, act: Optional[str], args: tuple, kwargs: dict, run: Callable, kinds: tuple):
+    effect = [index, act, [encoded(a, kinds) for a in args], {k: encoded(v, kinds) for k, v in kwargs.items()}]
     try:
-        got = act()
+        got = run(*args, **kwargs)
     except Exception as exc:
         effects.append(effect + [{"raised": type(exc).__name__}])
         raise
-    effects.append(effect + [encoded(got)])
+    effects.append(effect + [encoded(got, kinds)])
     return got
 
 
@@ -343,16 +349,18 @@ def _act_again(effect: Any, args: tuple, outer: tuple, acts: tuple[str, ...], ki
     """Do in the grader what the learner's code did in the sandbox; it must answer as it answered there.
     An argument's index counts a call's arguments from 0 and the constructor's from -1 down."""
     given = list(outer)[::-1] + list(args)  # -1 - i: the constructor's argument i; i: the call's
-    shaped = isinstance(effect, list) and len(effect) == 4 and isinstance(effect[0], int) and \
+    shaped = isinstance(effect, list) and len(effect) == 5 and isinstance(effect[0], int) and \
         -len(outer) <= effect[0] < len(args) and (effect[1] is None or effect[1] in acts) and \
-        isinstance(effect[2], list)
+        isinstance(effect[2], list) and isinstance(effect[3], dict)
     if not shaped:
         raise CheckFailed(f"the sandbox recorded {str(effect)[:200]} as something your code did; the reply does "
                           f"not come from this check")
-    index, act, act_args, answer = effect
+    index, act, act_args, act_kwargs, answer = effect
     target = given[index + len(outer)]
     try:
-        got = encoded((target if act is None else getattr(target, act))(*[decoded(a, kinds) for a in act_args]))
+        got = encoded((target if act is None else getattr(target, act))(
+            *[decoded(a, kinds) for a in act_args], **{k: decoded(v, kinds) for k, v in act_kwargs.items()}),
+            tuple(kinds.values()))
     except Exception as exc:
         got = {"raised": type(exc).__name__}
     if got != answer:
@@ -361,33 +369,55 @@ def _act_again(effect: Any, args: tuple, outer: tuple, acts: tuple[str, ...], ki
                           f"from this check")
 
 
-def _lists(args: tuple) -> list:
-    return [[index, [encoded(item) for item in arg]] for index, arg in enumerate(args) if isinstance(arg, list)]
+def _lists(args: tuple, kinds: tuple) -> list:
+    return [[index, [encoded(item, kinds) for item in arg]] for index, arg in enumerate(args) if isinstance(arg, list)]
 
 
-def _returned(got: Any, args: tuple) -> Any:
-    """A member's answer as data: one of its own list arguments by position, anything else encoded."""
+def _returned(got: Any, args: tuple, kinds: tuple) -> Any:
+    """A member's answer as data: one of its own list arguments by position, anything else encoded (an iterator
+    other than ``__iter__``'s as its text: the protocols ask for lists)."""
     same = next((index for index, arg in enumerate(args) if isinstance(arg, list) and got is arg), None)
-    return {"argument": same} if same is not None else encoded(got)
+    return {"argument": same} if same is not None else encoded(got, kinds)
 
 
-def encoded(value: Any) -> Any:
-    """Plain values as they are; lists, tuples and dataclasses (by class name) item by item; enums by class and
-    member name; integers and reals of other types (numpy's) by their value; anything else as its text and truth."""
+class Fields:
+    """A dataclass of a kind the check does not name, replayed by its fields: it reads, prints and compares alike."""
+
+    def __init__(self, kind: str, fields: dict):
+        self.__dict__.update(fields)
+        self._kind = kind
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "_kind")
+        return f"{self._kind}({shown})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Fields) and vars(self) == vars(other)
+
+    __hash__ = None
+
+
+def encoded(value: Any, kinds: tuple = ()) -> Any:
+    """Plain values as they are; lists and tuples item by item; a dataclass field by field, by the first of
+    ``kinds`` it is an instance of (a subclass's extra fields are its own business), else by its own class; enums
+    by class and member name; integers and reals of other types (numpy's) by their value; anything else as its
+    text and truth."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, enum.Enum):
         return {"enum": type(value).__name__, "name": value.name}
     if isinstance(value, (list, tuple)):
-        return {type(value).__name__ if type(value) in (list, tuple) else "list": [encoded(v) for v in value]}
+        return {"tuple" if isinstance(value, tuple) else "list": [encoded(v, kinds) for v in value]}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"kind": type(value).__name__, "fields": [encoded(getattr(value, f.name))
-                                                         for f in dataclasses.fields(value)]}
+        kind = next((k for k in kinds if isinstance(value, k)), type(value))
+        return {"kind": kind.__name__, "fields": {f.name: encoded(getattr(value, f.name), kinds)
+                                                  for f in dataclasses.fields(kind)}}
     return _as_data(value, ())
 
 
 def decoded(data: Any, kinds: dict) -> Any:
-    """The value :func:`encoded` wrote; a dataclass of a kind the check does not name, or text, as a stand-in."""
+    """The value :func:`encoded` wrote; a dataclass of a kind the check does not name as :class:`Fields`, text as
+    a stand-in."""
     if not isinstance(data, dict):
         return data
     if isinstance(data.get("list"), list) or isinstance(data.get("iterator"), list):
@@ -397,12 +427,13 @@ def decoded(data: Any, kinds: dict) -> Any:
     if "enum" in data:
         member = getattr(kinds.get(str(data["enum"])), str(data.get("name")), None)
         return member if isinstance(member, enum.Enum) else StandIn(f"{data['enum']}.{data.get('name')}")
-    kind = kinds.get(str(data.get("kind")))
-    if kind is not None and isinstance(data.get("fields"), list):
+    if isinstance(data.get("fields"), dict):
+        fields = {str(k): decoded(v, kinds) for k, v in data["fields"].items()}
+        kind = kinds.get(str(data.get("kind")))
         try:
-            return kind(*[decoded(v, kinds) for v in data["fields"]])
+            return kind(**fields) if kind is not None else Fields(str(data.get("kind")), fields)
         except TypeError:
-            pass
+            return Fields(str(data.get("kind")), fields)
     return StandIn(str(data.get("stand_in", data)), bool(data.get("truthy", True)))
 
 

@@ -9,6 +9,7 @@ a host pool too small for everything) and observe the tokens and prefix-cache co
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 from kvlib import interfaces
 from kvlib.config import SamplingParams
@@ -38,7 +39,10 @@ def checked(tier_cls) -> type:
             self._graded_pool = allocator
 
         def __iter__(self):
-            entries = list(super().__iter__())
+            given = super().__iter__()
+            expect(isinstance(given, Iterator), f"__iter__ returned a {type(given).__name__}; it must return an "
+                                                f"iterator (iter(...) of the entries, or yield them)")
+            entries = list(given)
             odd = [e for e in entries if not isinstance(e, CachedBlock)]
             if odd:
                 raise CheckFailed(f"iterating the tier yielded {odd[0]!r}; it must yield the CachedBlock of each "

@@ -53,7 +53,7 @@ SCHEDULING_STEP = Overridable(
 # Lab 06: the preemption mechanisms, acting through the block manager's block actions and its allocators.
 PREEMPTION_MECHANISMS = Overridable(
     BlockManager, ("swap_out", "swap_in", "drop", "host_blocks_needed"),
-    ("take", "take_host", "share", "release", "release_host", "copy_out", "copy_in", "hold_host"),
+    ("take", "take_host", "share", "release", "release_host", "copy_out", "copy_in", "hold_host", "_let_go"),
     {pool: ("allocate", "fork", "free") for pool in ("device_pool", "host_pool")},
     ("moves.swap_out", "moves.swap_in", "moves.copies", "_held_host"), ("device_pool", "host_pool"))
 
@@ -64,41 +64,53 @@ def overrides_of(spec: Overridable) -> Decisions:
     def record(cls, log: list) -> type:
         class Recorded(cls):
             def __init__(self, *args, **kwargs):
-                self.first_seq_id = new_seq_id()
+                self.first_seq_id, self.graded_calls = new_seq_id(), []
                 super().__init__(*args, **kwargs)
-                self.graded_calls: list[_Call] = []
-                for name, acts in spec.held.items():
-                    setattr(self, name, _Held(getattr(self, name), name, acts, self.graded_calls))
+
+        def held(name: str, acts: tuple[str, ...]) -> property:
+            """Whatever the instance keeps under ``name``, and any alias of it, is the recording stand-in."""
+            def keep(self, value) -> None:
+                inner = value._inner if isinstance(value, _Held) else value
+                self.__dict__[f"held {name}"] = _Held(inner, name, acts, self.graded_calls)
+            def get(self):
+                try:
+                    return self.__dict__[f"held {name}"]
+                except KeyError:
+                    raise AttributeError(name) from None
+            return property(get, keep)
 
         def overridden(name: str):
-            def call(self, *args):
+            def call(self, *args, **kwargs):
                 if self.graded_calls:  # one graded method calling another: its acts are the outer call's
-                    return getattr(cls, name)(self, *args)
-                current = _Call(args, self.first_seq_id)
+                    return getattr(cls, name)(self, *args, **kwargs)
+                args_given = args + tuple(kwargs.values())
+                current = _Call(args_given, self.first_seq_id, spec.kinds)
                 entry = [name, current.effects]
                 log.append(entry)
                 self.graded_calls.append(current)
                 try:
-                    got = getattr(cls, name)(self, *args)
+                    got = getattr(cls, name)(self, *args, **kwargs)
                 except Exception as exc:
-                    entry += [_left(self, args, spec, current), _lists(self, spec.lists, current),
+                    entry += [_left(self, args_given, spec, current), _lists(self, spec.lists, current),
                               _counts(self, spec.pools), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
                     raise
                 finally:
                     self.graded_calls.pop()
-                entry += [_left(self, args, spec, current), _lists(self, spec.lists, current),
+                entry += [_left(self, args_given, spec, current), _lists(self, spec.lists, current),
                           _counts(self, spec.pools), current.encoded(got)]
                 return got
             return call
 
         def action(name: str):
-            def act(self, *args):
+            def act(self, *args, **kwargs):
                 calls = getattr(self, "graded_calls", None)  # None while the constructor runs
                 current = calls[-1] if calls else None
                 if current is None or current.acting:
-                    return getattr(cls, name)(self, *args)
-                return current.kept("self", name, args, lambda: getattr(cls, name)(self, *args))
+                    return getattr(cls, name)(self, *args, **kwargs)
+                return current.kept("self", name, args, kwargs, lambda: getattr(cls, name)(self, *args, **kwargs))
             return act
+        for name, acts in spec.held.items():
+            setattr(Recorded, name, held(name, acts))
         for name in spec.actions:
             setattr(Recorded, name, action(name))
         for name in spec.methods:
@@ -107,7 +119,8 @@ def overrides_of(spec: Overridable) -> Decisions:
         return Recorded
 
     def replay(answers: Answers) -> type:
-        def redone(self, name: str, args: tuple) -> Any:
+        def redone(self, name: str, args: tuple, kwargs: dict) -> Any:
+            args = args + tuple(kwargs.values())
             entry = answers.take()
             if not (isinstance(entry, list) and len(entry) == 6 and entry[0] == name and isinstance(entry[1], list)):
                 raise CheckFailed(f"the sandbox's record parts from the grader's calls at call {answers.next}: the "
@@ -138,7 +151,7 @@ def overrides_of(spec: Overridable) -> Decisions:
             spec.base.__init__(self, *args, **kwargs)
 
         def member(name: str):
-            return lambda self, *args: redone(self, name, args)
+            return lambda self, *args, **kwargs: redone(self, name, args, kwargs)
         body = {"__init__": __init__, **{name: member(name) for name in spec.methods}}
         return type("Replayed", (spec.base,), body)
     return Decisions(record, replay)
@@ -151,13 +164,13 @@ def _key(seq: Sequence, first_seq_id: int) -> int:
 class _Call:
     """One graded call: what it did, as [target, act, args, answer], and how it names what it was given."""
 
-    def __init__(self, args: tuple, first_seq_id: int):
-        self.args, self.first_seq_id = args, first_seq_id
+    def __init__(self, args: tuple, first_seq_id: int, kinds: tuple):
+        self.args, self.first_seq_id, self.kinds = args, first_seq_id, kinds
         self.effects: list = []
         self.acting = False  # inside an action: what the action does is the action's, not the call's
 
-    def kept(self, target: str, act: str, args: tuple, run: Callable) -> Any:
-        effect = [target, act, [self.encoded(a) for a in args]]
+    def kept(self, target: str, act: str, args: tuple, kwargs: dict, run: Callable) -> Any:
+        effect = [target, act, [self.encoded(a) for a in args], {k: self.encoded(v) for k, v in kwargs.items()}]
         self.acting = True
         try:
             got = run()
@@ -178,7 +191,7 @@ class _Call:
         place = next((i for i, arg in enumerate(self.args) if arg is value), None)
         if place is not None and not isinstance(value, (int, str, float, tuple, type(None))):
             return {"argument": place}
-        return encoded(value)
+        return encoded(value, self.kinds)
 
 
 class _Known:
@@ -212,12 +225,17 @@ class _Held:
     def __init__(self, inner, name: str, acts: tuple[str, ...], calls: list):
         self._inner, self._name, self._acts, self._calls = inner, name, acts, calls
 
+    @property
+    def __class__(self):  # it passes for the object it wraps
+        return type(self._inner)
+
     def __getattr__(self, name: str):
         attribute = getattr(self._inner, name)
         current = self._calls[-1] if self._calls else None
         if name not in self._acts or current is None or current.acting:
             return attribute
-        return lambda *args: current.kept(self._name, name, args, lambda: attribute(*args))
+        return lambda *args, **kwargs: current.kept(self._name, name, args, kwargs,
+                                                    lambda: attribute(*args, **kwargs))
 
 
 def _given(args: tuple) -> list:
@@ -250,15 +268,18 @@ def _counts(obj, pools: tuple[str, ...]) -> list:
 
 def _do_again(instance, effect: Any, known: _Known, spec: Overridable) -> None:
     """Do in the grader what the graded call did in the sandbox; it must answer as it answered there."""
-    if not (isinstance(effect, list) and len(effect) == 4 and isinstance(effect[2], list) and
-            ((effect[0] == "self" and effect[1] in spec.actions) or effect[1] in spec.held.get(effect[0], ()))):
+    shaped = isinstance(effect, list) and len(effect) == 5 and isinstance(effect[2], list) and \
+        isinstance(effect[3], dict) and (effect[1] in spec.actions if effect[0] == "self" else
+                                         effect[1] in spec.held.get(effect[0], ()))
+    if not shaped:
         raise CheckFailed(f"the sandbox recorded {str(effect)[:200]} as something your method did; the reply does "
                           f"not come from this check")
-    target, act, act_args, answer = effect
+    target, act, act_args, act_kwargs, answer = effect
     method = getattr(instance if target == "self" else getattr(instance, target), act)
-    call = _Call(known.args, instance.first_seq_id)
+    call = _Call(known.args, instance.first_seq_id, spec.kinds)
     try:
-        got = call.encoded(method(*[known.value(a) for a in act_args]))
+        got = call.encoded(method(*[known.value(a) for a in act_args],
+                                  **{k: known.value(v) for k, v in act_kwargs.items()}))
     except CheckFailed:
         raise
     except Exception as exc:

@@ -1,0 +1,200 @@
+"""Record and replay grade honest code in any reasonable style as it deserves, and give nothing to code that breaks
+the protocol only where it is recorded.
+
+Labs 04, 05, 06 and 10 are graded from a record of what the learner's piece did in the sandbox, done again by the
+grader (``decisions.acts_on``, ``overrides.py``). A style the recorder does not foresee must not cost points: each
+piece here is graded both ways, observed directly and through the record, and the verdicts must agree. Each was
+found graded wrongly by a review of the first version: keyword arguments, an allocator kept from an earlier call,
+an alias of a pool taken in ``__init__``, ``isinstance`` on a wrapped argument, an entry class derived from
+``CachedBlock`` or shaped like it, a private block action; a lazy ``fork`` gained points it had not earned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+
+from kvlib.core.block_allocator import BlockAllocator
+from kvlib.core.block_manager import BlockManager
+from kvlib.core.prefix_cache import CachedBlock, HostPrefixTier
+from kvlib.core.scheduler import Scheduler
+from kvlib.course.grading import lab04, lab05, lab06, lab10
+from kvlib.course.grading.checks import observe, verdict
+from kvlib.course.grading.decisions import decided, measured
+from kvlib.course.grading.results import PASS
+
+SEED = 7
+
+
+def verdicts(lab, piece) -> dict:
+    """Each check's verdict observed directly and graded through the record: {check: (direct, graded)}."""
+    seen = {}
+    for task in lab.TASKS:
+        for check in task.checks:
+            reference = observe(check, task.reference(), SEED)
+            direct = verdict(check, observe(check, piece, SEED), reference).status
+            graded = verdict(check, measured(task, check, decided(task, check, piece, SEED), SEED), reference).status
+            seen[f"{task.name}/{check.name}"] = (direct, graded)
+    return seen
+
+
+def assert_full_marks_both_ways(lab, piece) -> None:
+    seen = verdicts(lab, piece)
+    assert {name: both for name, both in seen.items() if both != (PASS, PASS)} == {}
+
+
+# ---- lab 05 ----------------------------------------------------------------------------------------
+class SharingByKeywords:
+    def fork(self, allocator, blocks):
+        return [allocator.fork(block_id=block) for block in blocks]
+
+    def make_writable(self, allocator, blocks, index, take_block):
+        assert isinstance(allocator, BlockAllocator)
+        if allocator.ref_count(block_id=blocks[index]) == 1:
+            return None
+        old, blocks[index] = blocks[index], take_block()
+        allocator.free(block_id=old)
+        return old, blocks[index]
+
+
+class SharingThatKeepsItsAllocator(SharingByKeywords):
+    """Keeps the first allocator and take_block it is given (the engine always passes the same ones)."""
+
+    def __init__(self):
+        self.allocator = self.take = None
+
+    def fork(self, allocator, blocks):
+        self.allocator = self.allocator or allocator
+        return [self.allocator.fork(block) for block in blocks]
+
+    def make_writable(self, allocator, blocks, index, take_block):
+        self.allocator, self.take = self.allocator or allocator, self.take or take_block
+        if self.allocator.ref_count(blocks[index]) == 1:
+            return None
+        old, blocks[index] = blocks[index], self.take()
+        self.allocator.free(old)
+        return old, blocks[index]
+
+
+@pytest.mark.parametrize("piece", [SharingByKeywords, SharingThatKeepsItsAllocator], ids=lambda c: c.__name__)
+def test_lab_05_sharing_in_any_honest_style_gets_full_marks_through_the_record(piece):
+    assert_full_marks_both_ways(lab05, piece)
+
+
+def test_a_lazy_fork_gains_nothing_from_being_recorded():
+    class LazyFork(SharingByKeywords):
+        def fork(self, allocator, blocks):
+            return map(allocator.fork, blocks)  # an iterator: the protocol asks for a list
+
+    seen = verdicts(lab05, LazyFork)
+    assert not any(graded == PASS and direct != PASS for direct, graded in seen.values())
+    assert seen["fork/one_more_owner"] == ("fail", "fail")
+
+
+# ---- lab 10 ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StampedBlock(CachedBlock):
+    kept_at: int = 0
+
+
+class TierByKeywords:
+    """An honest tier: keyword calls on the allocator, entries of a class derived from CachedBlock."""
+
+    def __init__(self, allocator):
+        assert isinstance(allocator, BlockAllocator)
+        self.allocator, self.kept, self.clock = allocator, {}, 0
+
+    def put(self, name, tokens, host_block):
+        self.clock += 1
+        self.kept[name] = StampedBlock(name, host_block, tokens, self.clock)
+
+    def lookup(self, name, tokens):
+        entry = self.kept.get(name)
+        return entry if entry is not None and entry.tokens == tokens else None
+
+    def touch(self, name):
+        self.kept[name] = self.kept.pop(name)
+
+    def evict_one(self):
+        for name, entry in self.kept.items():
+            if self.allocator.ref_count(block_id=entry.block_id) == 1:
+                del self.kept[name]
+                self.allocator.free(block_id=entry.block_id)
+                return True
+        return False
+
+    def __contains__(self, name):
+        return name in self.kept
+
+    def __iter__(self):
+        yield from list(self.kept.values())
+
+    @property
+    def num_cached(self):
+        return len(self.kept)
+
+
+def test_lab_10_tiers_in_any_honest_style_get_full_marks_through_the_record():
+    assert_full_marks_both_ways(lab10, TierByKeywords)
+
+
+def test_a_tier_whose_iter_returns_a_list_fails_both_ways():
+    """``for entry in tier`` raises TypeError on it; the check's own wrapper used to hide that."""
+    class ListIter(TierByKeywords):
+        def __iter__(self):
+            return list(self.kept.values())
+
+    seen = verdicts(lab10, ListIter)
+    assert seen["tier/keeps_and_finds_blocks"] == ("fail", "fail")
+    with pytest.raises(TypeError):
+        list(ListIter(BlockAllocator(4)))
+    assert list(HostPrefixTier(BlockAllocator(4))) == []  # kvlib's own tier iterates, as the protocol asks
+
+
+# ---- lab 06 ----------------------------------------------------------------------------------------
+class MechanismsByKeywordsAndAliases(BlockManager):
+    """kvlib's plainest mechanisms, written with keyword arguments, a pool alias kept in __init__, and a private
+    block action."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.host = self.host_pool
+
+    def host_blocks_needed(self, seqs, count: Optional[int] = None) -> int:
+        return sum(len(seq.block_table) if count is None else count for seq in seqs)
+
+    def swap_out(self, seq, count: Optional[int] = None) -> None:
+        blocks = seq.block_table.blocks
+        hosts = []
+        for block in blocks if count is None else blocks[len(blocks) - count:]:
+            hosts.append(self.take_host())
+            self.copy_out(device_block=block, host_block=hosts[-1])
+        seq.host_blocks = hosts + seq.host_blocks
+        self.release(seq, count=len(hosts))
+
+    def swap_in(self, seq) -> None:
+        for host in seq.host_blocks:
+            block = self.take()
+            self.copy_in(host, block)
+            seq.block_table.append(block)
+            self.host.free(host)
+        seq.host_blocks = []
+
+    def drop(self, seq, count: Optional[int] = None) -> int:
+        before = seq.num_computed_tokens
+        for host in seq.host_blocks:
+            self.release_host(block=host)
+        seq.host_blocks = []
+        self.release(seq, len(seq.block_table) if count is None else count)
+        return before - seq.num_computed_tokens
+
+
+def test_lab_06_mechanisms_in_any_honest_style_get_full_marks_through_the_record():
+    assert_full_marks_both_ways(lab06, MechanismsByKeywordsAndAliases)
+
+
+# ---- lab 04 ----------------------------------------------------------------------------------------
+def test_lab_04_kvlibs_own_step_gets_full_marks_through_the_record():
+    assert_full_marks_both_ways(lab04, lab04.engine.reference())
+    assert issubclass(lab04.engine.reference(), Scheduler)
