@@ -59,6 +59,7 @@ PREEMPTION_MECHANISMS = Overridable(
 
 
 def overrides_of(spec: Overridable) -> Decisions:
+    """How a learner's subclass is recorded in the sandbox (``record``) and redone in the grader (``replay``)."""
     kinds = {cls.__name__: cls for cls in (SequenceStatus, *spec.kinds)}
 
     def record(cls, log: list) -> type:
@@ -162,7 +163,7 @@ def _key(seq: Sequence, first_seq_id: int) -> int:
 
 
 class _Call:
-    """One graded call: what it did, as [target, act, args, answer], and how it names what it was given."""
+    """One graded call: what it did, as [target, act, args, keywords, answer], and how it names what it was given."""
 
     def __init__(self, args: tuple, first_seq_id: int, kinds: tuple):
         self.args, self.first_seq_id, self.kinds = args, first_seq_id, kinds
