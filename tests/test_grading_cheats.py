@@ -300,7 +300,7 @@ def test_lab_05s_record_done_again_gives_what_the_piece_gave_and_parts_when_forg
                         for i, act, args, keywords, answer in effects],
               tables, returned] for n, name, effects, tables, returned in log]  # take_block's blocks misreported
     failed = measured(lab05.copy_on_write, check, Observed(DECIDED, taken), 9)
-    assert failed.status == FAIL and "does not come from this check" in failed.message
+    assert failed.status == FAIL and "record parts from the grader" in failed.message
     forged_tables = [[n, name, effects, [[i, [0] * len(items)] for i, items in tables], returned]
                      for n, name, effects, tables, returned in log]  # graded as the acts that would make them
     assert verdict(check, measured(lab05.copy_on_write, check, Observed(DECIDED, forged_tables), 9),

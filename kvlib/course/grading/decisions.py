@@ -365,8 +365,8 @@ def _act_again(effect: Any, args: tuple, outer: tuple, acts: tuple[str, ...], ki
         got = {"raised": type(exc).__name__}
     if got != answer:
         raise CheckFailed(f"the sandbox's record parts from the grader's run: {act or 'a function argument'} "
-                          f"answered {str(answer)[:100]} there and {str(got)[:100]} here; the reply does not come "
-                          f"from this check")
+                          f"answered {str(answer)[:100]} there and {str(got)[:100]} here: act only through what "
+                          f"your code is given, and the same way each time, so the grader can do it again")
 
 
 def _lists(args: tuple, kinds: tuple) -> list:

@@ -287,4 +287,5 @@ def _do_again(instance, effect: Any, known: _Known, spec: Overridable) -> None:
         got = {"raised": type(exc).__name__}
     if got != answer:
         raise CheckFailed(f"the sandbox's record parts from the grader's run: {act} answered {str(answer)[:100]} "
-                          f"there and {str(got)[:100]} here; the reply does not come from this check")
+                          f"there and {str(got)[:100]} here: act only through what your code is given, and the "
+                          f"same way each time, so the grader can do it again")
