@@ -6,10 +6,12 @@ grader (``decisions.acts_on``, ``overrides.py``). A style the recorder does not 
 piece here is graded both ways, observed directly and through the record, and the verdicts must agree. Each was
 found graded wrongly by a review of the first version: keyword arguments, an allocator kept from an earlier call,
 an alias of a pool taken in ``__init__``, ``isinstance`` on a wrapped argument, an entry class derived from
-``CachedBlock`` or shaped like it, a private block action; a lazy ``fork`` gained points it had not earned.
+``CachedBlock`` or shaped like it, a private block action, kvlib's actions reached through ``super()``, state
+changed by hand between acts; a lazy ``fork`` gained points it had not earned.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,6 +21,7 @@ from kvlib.core.block_allocator import BlockAllocator
 from kvlib.core.block_manager import BlockManager
 from kvlib.core.prefix_cache import CachedBlock, HostPrefixTier
 from kvlib.core.scheduler import Scheduler
+from kvlib.core.sequence import SequenceStatus
 from kvlib.course.grading import lab04, lab05, lab06, lab10
 from kvlib.course.grading.checks import observe, verdict
 from kvlib.course.grading.decisions import decided, measured
@@ -195,6 +198,68 @@ def test_lab_06_mechanisms_in_any_honest_style_get_full_marks_through_the_record
 
 
 # ---- lab 04 ----------------------------------------------------------------------------------------
-def test_lab_04_kvlibs_own_step_gets_full_marks_through_the_record():
+
+class StepBySuperAndByHand(lab04.engine.reference()):
+    """kvlib's own step in the styles a second review found graded wrongly: actions reached through ``super()``
+    and by ``Scheduler.start(self, ...)``, a make_room of its own built on ``_select_victim``/``_preempt``, the block
+    manager kept under another name, a sequence admitted by hand (its status, the queue, ``running_slots``), and
+    a chunk planned by ``bm.grow`` and ``out.add`` instead of ``start``."""
+
+    def __init__(self, config, block_manager, *args, **kwargs):
+        super().__init__(config, block_manager, *args, **kwargs)
+        self.blocks = block_manager
+
+    def make_room(self, seq, end, out):
+        while (shortfall := self.bm.shortfall(seq, end)) > 0:
+            victim = self._select_victim(seq, shortfall, out)
+            count = victim.num_blocks
+            if self.config.partial_preemption and victim.num_unique_tail_blocks:
+                count = min(shortfall, victim.num_unique_tail_blocks)
+            self._preempt(victim, count, out)
+            if seq.status is not SequenceStatus.RUNNING:
+                return False
+        return True
+
+    def schedule_running(self, out, budget):
+        for seq in list(self.running):
+            num_new = min(seq.num_uncomputed_tokens, budget) if seq.status is SequenceStatus.RUNNING else 0
+            end = seq.num_computed_tokens + num_new
+            if num_new and self.make_room(seq, end, out):
+                if seq.pending_forks and end == seq.num_tokens:
+                    super().start(seq, num_new, end, out)
+                else:
+                    self.blocks.grow(seq, end)
+                    out.add(seq, num_new)
+                budget -= num_new
+        return budget
+
+    def schedule_waiting(self, out, budget):
+        for seq in sorted(self.swapped + self.waiting, key=lambda s: (s.arrival_time, s.seq_id)):
+            if budget == 0 or self.running_slots + seq.num_slots > self.config.max_num_seqs:
+                break
+            use_watermark = bool(self.running)
+            hits = [] if seq.status is SequenceStatus.SWAPPED else self.blocks.prefix_hits(seq)
+            first = seq.num_computed_tokens + len(hits) * self.block_size
+            num_new = min(seq.num_tokens - first, budget)
+            end = first + num_new
+            if seq.status is SequenceStatus.SWAPPED:
+                if not self.blocks.can_swap_in(seq, end, use_watermark):
+                    break
+                self.blocks.swap_in(seq)
+                super().move(seq, SequenceStatus.RUNNING)
+            else:
+                if not self.blocks.can_admit(seq, hits, end, use_watermark):
+                    break
+                self.blocks.admit(seq, hits)
+                self.waiting.remove(seq)
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, seq, key=lambda s: (s.arrival_time, s.seq_id))
+                self.running_slots += seq.num_slots
+            Scheduler.start(self, seq, num_new, end, out)
+            budget -= num_new
+        return budget
+
+
+def test_lab_04_steps_in_any_honest_style_get_full_marks_through_the_record():
     assert_full_marks_both_ways(lab04, lab04.engine.reference())
-    assert issubclass(lab04.engine.reference(), Scheduler)
+    assert_full_marks_both_ways(lab04, StepBySuperAndByHand)

@@ -12,6 +12,7 @@ graded as the policy that would make them.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import enum
 import itertools
@@ -19,7 +20,7 @@ import numbers
 import operator
 from dataclasses import dataclass
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 from kvlib.course.grading.checks import CheckFailed, Observed, observe
 from kvlib.course.grading.results import FAIL
@@ -33,11 +34,13 @@ class Decisions:
 
     ``record(piece, log)`` wraps the learner's piece so that every answer it gives is appended to
     ``log`` as JSON data; ``replay(log)`` is the grader's own piece answering the same calls, in the
-    same order, with those answers (:class:`Answers` hands them out).
+    same order, with those answers (:class:`Answers` hands them out). ``recording()`` is entered while
+    the recorded piece runs (to record what reaches kvlib's own classes by ``super()``).
     """
 
     record: Callable[[Any, list], Any]
     replay: Callable[["Answers"], Any]
+    recording: Callable[[], ContextManager] = contextlib.nullcontext
 
 
 class Answers:
@@ -59,7 +62,8 @@ def decided(task, check, piece: Any, seed: int) -> Observed:
     if task.decisions is None:
         return observe(check, piece, seed)
     log: list = []
-    seen = observe(check, task.decisions.record(piece, log), seed)
+    with task.decisions.recording():
+        seen = observe(check, task.decisions.record(piece, log), seed)
     return Observed(DECIDED, log) if seen.status == "observed" else seen
 
 

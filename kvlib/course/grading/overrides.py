@@ -4,7 +4,7 @@ Lab 04's learner writes a ``Scheduler`` subclass's scheduling step and lab 06's 
 preemption mechanisms; both act through their base class's own actions (``start``, ``make_room``, ``move``;
 ``take``, ``release``, ``copy_out``, ...) and the objects it holds (a block manager, allocators) on sequences.
 In the sandbox each call of an overridden method is recorded with the acts it did, in order (with their answers),
-the lists it may reorder or fill as the call left them (the queues, a step's planned moves), the sequences it
+what it may reorder, fill or count as the call left it (the queues, a step's plan and moves), the sequences it
 was given as the call left them, the pools' reference counts then, and its own answer. The grader's subclass
 answers each call by doing the same to its own objects, so the scenario, the engine and the invariant checks it
 measures run where the learner's code never was; a call that does or leaves something else there fails the check.
@@ -13,10 +13,14 @@ names the grader's sequences as well as the sandbox's.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvlib.core.block_manager import BlockManager
+from kvlib.core.plan import Preemption, ScheduledChunk
+from kvlib.core.preemption import VictimCandidate
 from kvlib.core.prefix_cache import PrefixHit
 from kvlib.core.scheduler import Scheduler
 from kvlib.core.sequence import Sequence, SequenceStatus, new_seq_id
@@ -29,27 +33,30 @@ class Overridable:
     """What a learner's subclass of ``base`` overrides (``methods``) and how those methods may act.
 
     ``actions``: the instance's own methods they call, each recorded and done again; ``held``: attributes holding
-    objects whose methods they call, with those recorded (``{"bm": ("admit", ...)}``); ``lists``: dotted paths of
-    lists they may fill or reorder, kept as each call left them; ``pools``: dotted paths of allocators whose
-    reference counts must agree after each call; ``sequences``: every sequence the instance knows of;
+    objects whose methods they call, with those recorded (``{"bm": ("admit", ...)}``); ``given``: the same for
+    their arguments, by position; ``kept``: dotted paths of what they may fill, reorder or count, from the instance
+    or (a leading position) an argument, kept as each call left it (lists in place); ``pools``: paths of allocators
+    whose reference counts must agree after each call; ``sequences``: every sequence the instance knows of;
     ``kinds``: the dataclasses and enums their answers and arguments may hold."""
 
     base: type
     methods: tuple[str, ...]
     actions: tuple[str, ...]
     held: dict
-    lists: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
     pools: tuple[str, ...] = ()
     sequences: Callable[[Any], list] = lambda instance: []
     kinds: tuple[type, ...] = ()
+    given: dict = dataclasses.field(default_factory=dict)
 
 
 # Lab 04: the scheduling step, acting through the scheduler's own actions and its block manager.
 SCHEDULING_STEP = Overridable(
-    Scheduler, ("schedule_running", "schedule_waiting"), ("make_room", "start", "move"),
-    {"bm": ("swap_in", "admit", "grow", "swap_out", "drop")}, ("running", "waiting", "swapped"),
+    Scheduler, ("schedule_running", "schedule_waiting"), ("make_room", "start", "move", "_preempt"),
+    {"bm": ("swap_in", "admit", "grow", "swap_out", "drop")},
+    ("running", "waiting", "swapped", "running_slots", "0.scheduled", "0.preemptions"),
     ("bm.device_pool", "bm.host_pool"), lambda scheduler: [*scheduler.running, *scheduler.waiting, *scheduler.swapped],
-    (PrefixHit,))
+    (PrefixHit, VictimCandidate, ScheduledChunk, Preemption), {0: ("add",)})
 # Lab 06: the preemption mechanisms, acting through the block manager's block actions and its allocators.
 PREEMPTION_MECHANISMS = Overridable(
     BlockManager, ("swap_out", "swap_in", "drop", "host_blocks_needed"),
@@ -67,6 +74,9 @@ def overrides_of(spec: Overridable) -> Decisions:
             def __init__(self, *args, **kwargs):
                 self.first_seq_id, self.graded_calls = new_seq_id(), []
                 super().__init__(*args, **kwargs)
+                held = [proxy for name, proxy in vars(self).items() if name.startswith("held ")]
+                for name, value in list(vars(self).items()):  # the same objects kept under other names
+                    vars(self)[name] = next((proxy for proxy in held if value is proxy._inner), value)
 
         def held(name: str, acts: tuple[str, ...]) -> property:
             """Whatever the instance keeps under ``name``, and any alias of it, is the recording stand-in."""
@@ -85,31 +95,27 @@ def overrides_of(spec: Overridable) -> Decisions:
                 if self.graded_calls:  # one graded method calling another: its acts are the outer call's
                     return getattr(cls, name)(self, *args, **kwargs)
                 args_given = args + tuple(kwargs.values())
-                current = _Call(args_given, self.first_seq_id, spec.kinds)
+                current = _Call(args_given, self.first_seq_id, spec.kinds,
+                                lambda: [_left(self, args_given, spec, current), _kept(self, spec.kept, current)])
+                args = tuple(_Held(arg, f"argument {i}", spec.given[i], self.graded_calls) if i in spec.given else arg
+                             for i, arg in enumerate(args))
                 entry = [name, current.effects]
                 log.append(entry)
                 self.graded_calls.append(current)
                 try:
                     got = getattr(cls, name)(self, *args, **kwargs)
                 except Exception as exc:
-                    entry += [_left(self, args_given, spec, current), _lists(self, spec.lists, current),
-                              _counts(self, spec.pools), {"raised": type(exc).__name__, "message": str(exc)[:500]}]
+                    entry += [*current.state(), _counts(self, spec.pools),
+                              {"raised": type(exc).__name__, "message": str(exc)[:500]}]
                     raise
                 finally:
                     self.graded_calls.pop()
-                entry += [_left(self, args_given, spec, current), _lists(self, spec.lists, current),
-                          _counts(self, spec.pools), current.encoded(got)]
+                entry += [*current.state(), _counts(self, spec.pools), current.encoded(got)]
                 return got
             return call
 
         def action(name: str):
-            def act(self, *args, **kwargs):
-                calls = getattr(self, "graded_calls", None)  # None while the constructor runs
-                current = calls[-1] if calls else None
-                if current is None or current.acting:
-                    return getattr(cls, name)(self, *args, **kwargs)
-                return current.kept("self", name, args, kwargs, lambda: getattr(cls, name)(self, *args, **kwargs))
-            return act
+            return _recorded_action(name, lambda self, *args, **kwargs: getattr(cls, name)(self, *args, **kwargs))
         for name, acts in spec.held.items():
             setattr(Recorded, name, held(name, acts))
         for name in spec.actions:
@@ -118,6 +124,18 @@ def overrides_of(spec: Overridable) -> Decisions:
             setattr(Recorded, name, overridden(name))
         Recorded.__name__ = cls.__name__
         return Recorded
+
+    @contextlib.contextmanager
+    def recording():
+        """kvlib's own actions record too while the scenario runs, for a learner's ``super().start(...)``."""
+        originals = {name: vars(spec.base)[name] for name in spec.actions}
+        try:
+            for name, original in originals.items():
+                setattr(spec.base, name, _recorded_action(name, original))
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(spec.base, name, original)
 
     def replay(answers: Answers) -> type:
         def redone(self, name: str, args: tuple, kwargs: dict) -> Any:
@@ -129,15 +147,7 @@ def overrides_of(spec: Overridable) -> Decisions:
             known = _Known(self, args, spec, kinds)
             for effect in entry[1]:
                 _do_again(self, effect, known, spec)
-            for named, state in entry[2] if isinstance(entry[2], list) else ():
-                seq = known.value(named)
-                if not (isinstance(seq, Sequence) and isinstance(state, list) and len(state) == 5):
-                    raise CheckFailed("the sandbox's record of a sequence is not one")
-                seq.host_blocks, seq.block_table.blocks, seq.num_computed_tokens, seq.block_hashes = (
-                    list(state[0]), list(state[1]), state[2], list(state[3]))
-                seq.status = known.value(state[4])
-            for path, items in zip(spec.lists, entry[3] if isinstance(entry[3], list) else ()):
-                _at(self, path)[:] = [known.value(item) for item in items]
+            _leave(self, known, spec, entry[2], entry[3])
             if _counts(self, spec.pools) != entry[4]:
                 raise CheckFailed(f"after {name}, the grader's pools hold other reference counts than the sandbox's "
                                   f"did: change blocks only through {', '.join(spec.actions)} or the objects "
@@ -155,7 +165,31 @@ def overrides_of(spec: Overridable) -> Decisions:
             return lambda self, *args, **kwargs: redone(self, name, args, kwargs)
         body = {"__init__": __init__, **{name: member(name) for name in spec.methods}}
         return type("Replayed", (spec.base,), body)
-    return Decisions(record, replay)
+    return Decisions(record, replay, recording)
+
+
+def _recorded_action(name: str, original: Callable) -> Callable:
+    """``original``, recorded as an act of the graded call running now (not of an action running inside it)."""
+    def act(self, *args, **kwargs):
+        calls = vars(self).get("graded_calls")  # none: not recorded, or the constructor runs
+        current = calls[-1] if calls else None
+        if current is None or current.acting:
+            return original(self, *args, **kwargs)
+        return current.kept("self", name, args, kwargs, lambda: original(self, *args, **kwargs))
+    return act
+
+
+def _leave(instance, known: "_Known", spec: Overridable, sequences: Any, kept: Any) -> None:
+    """Leave the sequences and what ``spec.kept`` names as the record says they were."""
+    for named, state in sequences if isinstance(sequences, list) else ():
+        seq = known.value(named)
+        if not (isinstance(seq, Sequence) and isinstance(state, list) and len(state) == 5):
+            raise CheckFailed("the sandbox's record of a sequence is not one")
+        seq.host_blocks, seq.block_table.blocks, seq.num_computed_tokens, seq.block_hashes = (
+            list(state[0]), list(state[1]), state[2], list(state[3]))
+        seq.status = known.value(state[4])
+    for path, value in zip(spec.kept, kept if isinstance(kept, list) else ()):
+        _keep(instance, path, known.args, known.value(value))
 
 
 def _key(seq: Sequence, first_seq_id: int) -> int:
@@ -163,15 +197,18 @@ def _key(seq: Sequence, first_seq_id: int) -> int:
 
 
 class _Call:
-    """One graded call: what it did, as [target, act, args, keywords, answer], and how it names what it was given."""
+    """One graded call: what it did, as [target, act, args, keywords, the state before it, answer], and how it
+    names what it was given. ``state()`` is the sequences and the kept values as they are now, so that code which
+    changes some of them by hand between acts is replayed with them as they were at each act."""
 
-    def __init__(self, args: tuple, first_seq_id: int, kinds: tuple):
-        self.args, self.first_seq_id, self.kinds = args, first_seq_id, kinds
+    def __init__(self, args: tuple, first_seq_id: int, kinds: tuple, state: Callable[[], list] = list):
+        self.args, self.first_seq_id, self.kinds, self.state = args, first_seq_id, kinds, state
         self.effects: list = []
         self.acting = False  # inside an action: what the action does is the action's, not the call's
 
     def kept(self, target: str, act: str, args: tuple, kwargs: dict, run: Callable) -> Any:
-        effect = [target, act, [self.encoded(a) for a in args], {k: self.encoded(v) for k, v in kwargs.items()}]
+        effect = [target, act, [self.encoded(a) for a in args], {k: self.encoded(v) for k, v in kwargs.items()},
+                  self.state()]
         self.acting = True
         try:
             got = run()
@@ -189,6 +226,11 @@ class _Call:
             return {"sequence": _key(value, self.first_seq_id)}
         if isinstance(value, list):
             return {"list": [self.encoded(item) for item in value]}
+        if type(value) in self.kinds and dataclasses.is_dataclass(value):  # field by field: they may hold sequences
+            return {"kind": type(value).__name__, "fields": {f.name: self.encoded(getattr(value, f.name))
+                                                             for f in dataclasses.fields(value)}}
+        if isinstance(value, _Held):  # a recording stand-in is named as what it stands for
+            value = value._inner
         place = next((i for i, arg in enumerate(self.args) if arg is value), None)
         if place is not None and not isinstance(value, (int, str, float, tuple, type(None))):
             return {"argument": place}
@@ -217,6 +259,9 @@ class _Known:
             return self.args[place]
         if isinstance(data, dict) and isinstance(data.get("list"), list):
             return [self.value(item) for item in data["list"]]
+        kind = self.kinds.get(str(data.get("kind"))) if isinstance(data, dict) else None
+        if kind is not None and isinstance(data.get("fields"), dict):  # a dataclass that may hold sequences
+            return kind(**{str(k): self.value(v) for k, v in data["fields"].items()})
         return decoded(data, self.kinds)
 
 
@@ -232,11 +277,15 @@ class _Held:
 
     def __getattr__(self, name: str):
         attribute = getattr(self._inner, name)
-        current = self._calls[-1] if self._calls else None
-        if name not in self._acts or current is None or current.acting:
+        if name not in self._acts:
             return attribute
-        return lambda *args, **kwargs: current.kept(self._name, name, args, kwargs,
-                                                    lambda: attribute(*args, **kwargs))
+
+        def act(*args, **kwargs):  # whose call it is, is asked when it runs: it may have been kept for later
+            current = self._calls[-1] if self._calls else None
+            if current is None or current.acting:
+                return attribute(*args, **kwargs)
+            return current.kept(self._name, name, args, kwargs, lambda: attribute(*args, **kwargs))
+        return act
 
 
 def _given(args: tuple) -> list:
@@ -258,8 +307,25 @@ def _at(obj, path: str) -> Any:
     return obj
 
 
-def _lists(obj, paths: tuple[str, ...], call: _Call) -> list:
-    return [[call.encoded(item) for item in _at(obj, path)] for path in paths]
+def _from(instance, path: str, args: tuple) -> tuple[Any, str]:
+    """The object a kept path starts from (the instance, or the argument a leading position names), and the rest."""
+    first, _, rest = path.partition(".")
+    return (args[int(first)], rest) if first.isdigit() else (instance, path)
+
+
+def _kept(instance, paths: tuple[str, ...], call: _Call) -> list:
+    return [call.encoded(_at(*_from(instance, path, call.args))) for path in paths]
+
+
+def _keep(instance, path: str, args: tuple, value: Any) -> None:
+    """Leave what ``path`` names as the record says the call left it: a list in place, anything else set."""
+    start, rest = _from(instance, path, args)
+    parent, _, name = rest.rpartition(".")
+    owner = _at(start, parent) if parent else start
+    if isinstance(getattr(owner, name), list) and isinstance(value, list):
+        getattr(owner, name)[:] = value
+    else:
+        setattr(owner, name, value)
 
 
 def _counts(obj, pools: tuple[str, ...]) -> list:
@@ -269,14 +335,20 @@ def _counts(obj, pools: tuple[str, ...]) -> list:
 
 def _do_again(instance, effect: Any, known: _Known, spec: Overridable) -> None:
     """Do in the grader what the graded call did in the sandbox; it must answer as it answered there."""
-    shaped = isinstance(effect, list) and len(effect) == 5 and isinstance(effect[2], list) and \
-        isinstance(effect[3], dict) and (effect[1] in spec.actions if effect[0] == "self" else
-                                         effect[1] in spec.held.get(effect[0], ()))
+    acts = {"self": spec.actions, **spec.held, **{f"argument {i}": acts for i, acts in spec.given.items()}}
+    shaped = isinstance(effect, list) and len(effect) == 6 and isinstance(effect[2], list) and \
+        isinstance(effect[3], dict) and isinstance(effect[4], list) and len(effect[4]) == 2 and \
+        isinstance(effect[0], str) and effect[1] in acts.get(effect[0], ())
     if not shaped:
         raise CheckFailed(f"the sandbox recorded {str(effect)[:200]} as something your method did; the reply does "
                           f"not come from this check")
-    target, act, act_args, act_kwargs, answer = effect
-    method = getattr(instance if target == "self" else getattr(instance, target), act)
+    target, act, act_args, act_kwargs, before, answer = effect
+    _leave(instance, known, spec, *before)  # as the code had left them by hand, if it had
+    if target.startswith("argument "):
+        owner = known.args[int(target.split()[1])]
+    else:
+        owner = instance if target == "self" else getattr(instance, target)
+    method = getattr(owner, act)
     call = _Call(known.args, instance.first_seq_id, spec.kinds)
     try:
         got = call.encoded(method(*[known.value(a) for a in act_args],
