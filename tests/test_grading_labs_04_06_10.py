@@ -22,6 +22,7 @@ from kvlib.config import EngineConfig
 from kvlib.core.block_manager import BlockManager
 from kvlib.core.prefix_cache import HostPrefixTier
 from kvlib.core.scheduler import Scheduler
+from kvlib.core.sequence import SequenceStatus
 from kvlib.course.grading import grade_notebook, lab04, lab06, lab10
 from kvlib.course.grading.hidden import module_file, stubbed_tree
 from kvlib.course.grading.results import NOT_IMPLEMENTED, PASS
@@ -126,11 +127,12 @@ def test_kvlibs_own_algorithms_get_full_marks():
 @pytest.mark.parametrize("seed", range(4))
 def test_every_lab04_scenario_exercises_its_rule(seed):
     plans = {name: lab04._plans(Scheduler, name, random.Random(seed)) for name in lab04.SCENARIOS}
-    first = plans["chunked_prefill"][0]  # a's whole prompt and b's first chunk fill the budget
-    assert first.startswith("a: ") and ", b: " in first and "c" not in first
-    assert "a: 33" in plans["watermark_waived"]  # a resumes alone, past the watermark
-    assert "b: 4, c: 8" in plans["prefix_hits"]
-    assert any(p.startswith("p: ") and "," not in p for p in plans["max_num_seqs"])  # q waits for p's samples
+    first = plans["chunked_prefill"][0]  # a's whole prompt and b's first chunk fill the budget, both admitted
+    assert first.startswith("+ a: ") and ", b: " in first and "c" not in first
+    assert plans["chunked_prefill"][1].startswith("a: 1, b: ")  # a decodes, b's next chunk: schedule_running's
+    assert "+ a: 33" in plans["watermark_waived"]  # a resumes alone, past the watermark
+    assert "+ b: 4, c: 8" in plans["prefix_hits"]
+    assert any(p.startswith("+ p: ") and "," not in p for p in plans["max_num_seqs"])  # q waits for p's samples
     assert plans["arrival_ties"] == plans["fcfs_across_queues"]  # a tie goes to the older seq_id: s
     assert plans["arrived_earlier"] != plans["nobody_overtakes"]  # w arrived first, so w goes first
     assert len({tuple(lab04._plans(Scheduler, "budget", random.Random(s))) for s in range(6)}) > 1  # seeds vary it
@@ -157,3 +159,15 @@ def test_the_lab10_solution_notebook_gets_full_marks_in_the_sandbox():
     report = grade_notebook(SOLUTIONS["lab10"])
     assert report.full_marks, report.table()
     assert {c.status for t in report.tasks for c in t.checks} == {PASS}
+
+
+def test_a_schedule_running_that_hands_every_sequence_to_the_waiting_pass_gets_nothing():
+    """kvlib's own waiting pass, which the running checks use, admitted them all again, so every step's plan came
+    out as kvlib's and this scored 5 of 7; a plan now says which pass planned each chunk."""
+    class HandsThemOn(Scheduler):
+        def schedule_running(self, out, budget):
+            for seq in list(self.running):
+                self.move(seq, SequenceStatus.WAITING)
+            return budget
+
+    assert [c.status for c in lab04.running.verdicts(HandsThemOn, 3)] == ["fail"] * len(lab04.running.checks)

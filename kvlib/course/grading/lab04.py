@@ -1,17 +1,16 @@
 """Lab 04 checks: the learner's scheduling step (a Scheduler subclass), model-free and in the engine.
 
-The first two tasks each run one graded method beside kvlib's own other one (only the graded one is
-hidden) in the model-free driver: one scenario per rule, sizes, tokens and arrival times drawn from
-the seed, observing every step's plan. The engine task runs both in ``LLM(..., scheduler=...)`` and
-observes every token. Every plan is checked for invariants (no sequence twice, the token budget).
-"""
+The first two tasks each run one graded method beside kvlib's own other one (only the graded one is hidden) in
+the model-free driver: one scenario per rule, sizes, tokens and arrival times drawn from the seed, observing every
+step's plan. The engine task runs both in ``LLM(..., scheduler=...)`` and observes every token. Every plan is
+checked for invariants (no sequence twice, the token budget)."""
 from __future__ import annotations
 
 import random
 from typing import Callable
 
 from kvlib.core.model_free import ModelFreeEngine, Request
-from kvlib.config import EngineConfig, SamplingParams
+from kvlib import LLM, EngineConfig, SamplingParams
 from kvlib.core.invariants import InvariantError, check_invariants
 from kvlib.core.sequence import SequenceStatus
 from kvlib.course.grading.checks import FEEDBACK_SEED, CheckFailed, Task, expect
@@ -21,7 +20,6 @@ from kvlib.course.grading.serving import random_tokens, serve_checked
 
 HIDDEN = {name: (f"kvlib.core.scheduler:Scheduler.{name}",) for name in SCHEDULING_STEP.methods}
 _scheduler = kvlibs_own("kvlib.core.scheduler:Scheduler")
-
 STEP = overrides_of(SCHEDULING_STEP)
 running = Task("schedule_running", ("MyScheduler",), HIDDEN["schedule_running"], _scheduler, decisions=STEP)
 waiting = Task("schedule_waiting", ("MyScheduler",), HIDDEN["schedule_waiting"], _scheduler, decisions=STEP)
@@ -43,6 +41,7 @@ def checked(scheduler_cls) -> type:
     """``scheduler_cls`` whose every plan is checked for what must stay true."""
     class Checked(scheduler_cls):
         def schedule(self, out):
+            self.by_running = 1 << 30  # the chunks schedule_running planned: all, unless schedule_waiting ran
             super().schedule(out)
             seqs = [seq for seq, _ in out.scheduled]
             twice = {_label(s) for s in seqs if seqs.count(s) > 1}
@@ -54,6 +53,10 @@ def checked(scheduler_cls) -> type:
                 expect(0 < n <= seq.num_uncomputed_tokens, f"the plan gives {_label(seq)} {n} tokens, but it has "
                        f"{seq.num_uncomputed_tokens} left ({seq.num_computed_tokens} of {seq.num_tokens} computed)")
             return out
+
+        def schedule_waiting(self, out, budget):
+            self.by_running = len(out.scheduled)
+            return super().schedule_waiting(out, budget)
 
         def make_room(self, seq, end, out):
             expect(seq.status is SequenceStatus.RUNNING,
@@ -89,16 +92,14 @@ def _budget(rng):
 
 
 def _swapped(w_length: int, *w_arrival: float) -> Callable:
-    """o and s (3 full blocks each) run, s is swapped out as o grows; w is added at step 3 (arriving then or at
-    ``w_arrival``: with s, or first)."""
+    """o and s (3 full blocks each) run, s is swapped out as o grows; w joins at step 3 (arriving then or later)."""
     return lambda rng: ({"num_gpu_blocks": 8, "num_cpu_blocks": 16, "preemption_mode": "swap"},
                         [(1, "o", 12, 10, 1), (1, "s", 12, 6, 1), (3, "w", w_length, 3, 1, *w_arrival)])
 
 
 def _overtaken(rng):
     """_swapped(4) (w may not pass s, swapped out and waiting for room), then a long prompt l and a short one v
-    added together at step 11, served in that order: a skip in either queue lets a newer sequence through (a
-    skip in the waiting queue alone was caught only by the watermark checks before)."""
+    added together at step 11, served in that order: a skip in either queue lets a newer sequence through."""
     config, requests = _swapped(4)(rng)
     return config, requests + [(11, "l", rng.randint(17, 20), 2, 1), (11, "v", rng.randint(2, 4), 2, 1)]
 
@@ -133,12 +134,13 @@ def _label(seq) -> str:
     return seq.request_id if seq.sample_index == 0 else f"{seq.request_id}/{seq.sample_index}"
 
 
-def _show(plan) -> str:
-    return ", ".join(f"{_label(seq)}: {n}" for seq, n in plan.scheduled) or "nothing"
+def _show(plan, k: int) -> str:  # "a: 1, b: 1 + c: 4": the first k chunks (schedule_running's) + schedule_waiting's
+    parts = [", ".join(f"{_label(seq)}: {n}" for seq, n in part) for part in (plan.scheduled[:k], plan.scheduled[k:])]
+    return (parts[0] + " + " * bool(parts[1]) + parts[1]).strip()
 
 
 def _plans(scheduler_cls, name: str, rng: random.Random, steps: int = MAX_MODEL_FREE_STEPS) -> list[str]:
-    """Each step's plan ("a: 8, b: 2") of scenario ``name`` drawn from ``rng``, until every request finished."""
+    """Each step's plan ("a: 1, b: 1 + c: 4") of scenario ``name`` drawn from ``rng``, until every request finished."""
     config, requests = SCENARIOS[name](rng)
     offset = rng.uniform(0, 1000)
     e = ModelFreeEngine(EngineConfig(**{"block_size": 4, "watermark": 0.0, **config}), scheduler=checked(scheduler_cls))
@@ -155,7 +157,7 @@ def _plans(scheduler_cls, name: str, rng: random.Random, steps: int = MAX_MODEL_
             check_invariants(e)
         except InvariantError as exc:
             raise CheckFailed(f"after step {step}: {exc}") from exc
-        plans.append(_show(e.last_plan))
+        plans.append(_show(e.last_plan, e.scheduler.by_running) or "nothing")
     expect(steps < MAX_MODEL_FREE_STEPS, f"requests were still unfinished after {steps} steps: your scheduler stalls")
     return plans
 
@@ -242,7 +244,6 @@ def serves_swaps_samples_and_prefix_hits(cls, rng: random.Random) -> dict:
 
 
 def _serve(scheduler_cls, config: dict, prompts: list, params: list) -> dict:
-    from kvlib import LLM
     llm = LLM("default", EngineConfig(device="cpu", **config), scheduler=checked(scheduler_cls), verbose=False)
     outputs = serve_checked(llm, prompts, params, MAX_STEPS)
     return {f"request {i}: tokens of each sample": [s.token_ids for s in out.samples] for i, out in enumerate(outputs)}
