@@ -474,3 +474,24 @@ def test_lab_04s_record_done_again_gives_what_the_step_gave():
             direct = observe(check, piece, 2)
             assert observe(check, lab04.STEP.record(piece, log), 2) == direct and log, check.name
             assert measured(lab04.engine, check, Observed(DECIDED, log), 2) == direct, check.name
+
+
+def test_lab_08s_choices_are_asked_again_by_the_grader():
+    """Lab 08's choose_mode answers come back as a record; the grader's own scenarios and engine ask for them
+    again, so what is measured (modes, preemptions, fallbacks) is measured there."""
+    from kvlib.core.preemption import LatestArrivalPolicy
+    from kvlib.course.grading import lab08
+    from kvlib.course.grading.decisions import decided
+
+    class AlwaysSwaps(LatestArrivalPolicy):
+        def choose_mode(self, victim, context):
+            return "swap"
+    for piece in (lab08.engine.reference(), AlwaysSwaps):
+        for task in (lab08.choose_mode, lab08.engine):
+            for check in task.checks:
+                sent = decided(task, check, piece, 6)
+                assert sent.status == DECIDED and measured(task, check, sent, 6) == observe(check, piece, 6)
+    check = lab08.engine.named("small_host_pool")
+    sent = decided(lab08.engine, check, AlwaysSwaps, 6)
+    recomputes = Observed(DECIDED, [[*entry[:5], "recompute"] for entry in sent.observation])
+    assert measured(lab08.engine, check, recomputes, 6) != observe(check, AlwaysSwaps, 6)  # graded as what it answered

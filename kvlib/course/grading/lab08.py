@@ -1,6 +1,4 @@
-"""Lab 08 checks: timing on a busy machine (a fake clock, load drawn from the seed), the cost model's terms
-fitted from exact timings of drawn cost models, and the swap-or-recompute choice: on drawn victims around the
-crossovers, at exact ties, at a GPU's knee and at the host's room, then for every preemption of an engine."""
+"""Lab 08 checks: timing on a busy machine, cost terms fitted from exact timings, the swap-or-recompute choice."""
 from __future__ import annotations
 
 import random
@@ -16,6 +14,7 @@ from kvlib.core.cost_model import PreemptionCostModel as Cost, attention_pairs
 from kvlib.core.preemption import LatestArrivalPolicy, PreemptionContext, VictimCandidate
 from kvlib.core.sequence import Sequence
 from kvlib.course.grading.checks import Task, close, expect, same
+from kvlib.course.grading.overrides import COST_CHOICE, overrides_of
 from kvlib.course.grading.serving import random_tokens, serve_checked
 from kvlib.runner import cost_probe
 
@@ -55,7 +54,8 @@ class _CostPolicy(LatestArrivalPolicy):  # kvlib's choice, asking no swap the ho
 measure = Task("measure", ("best_in_turns",), TIMING, lambda: _kvlibs_timing)
 fit_swap = Task("fit_swap", ("fit_copy",), FITS, lambda: _kvlibs_copy_fit)
 fit_recompute = Task("fit_recompute", ("fit_forward",), FITS, lambda: _reference_fit_forward)
-choose_mode, engine = (Task(name, ("MyCostPolicy",), CHOICE, lambda: _CostPolicy) for name in ("choose_mode", "engine"))
+choose_mode = Task("choose_mode", ("MyCostPolicy",), CHOICE, lambda: _CostPolicy, decisions=overrides_of(COST_CHOICE))
+engine = Task("engine", ("MyCostPolicy",), CHOICE, lambda: _CostPolicy, decisions=overrides_of(COST_CHOICE))
 TASKS = [measure, fit_swap, fit_recompute, choose_mode, engine]
 check_measure, check_fit_swap, check_fit_recompute = measure.grade, fit_swap.grade, fit_recompute.grade
 check_choose_mode, check_engine = choose_mode.grade, engine.grade

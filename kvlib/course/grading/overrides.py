@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from kvlib.core.block_manager import BlockManager
 from kvlib.core.plan import Preemption, ScheduledChunk
-from kvlib.core.preemption import VictimCandidate
+from kvlib.core.preemption import LatestArrivalPolicy, VictimCandidate
 from kvlib.core.prefix_cache import PrefixHit
 from kvlib.core.scheduler import Scheduler
 from kvlib.core.sequence import Sequence, SequenceStatus, new_seq_id
@@ -63,6 +63,8 @@ PREEMPTION_MECHANISMS = Overridable(
     ("take", "take_host", "share", "release", "release_host", "copy_out", "copy_in", "hold_host", "_let_go"),
     {pool: ("allocate", "fork", "free") for pool in ("device_pool", "host_pool")},
     ("moves.swap_out", "moves.swap_in", "moves.copies", "_held_host"), ("device_pool", "host_pool"))
+# Lab 08: the swap-or-recompute choice, an answer the grader's engine asks for again.
+COST_CHOICE = Overridable(LatestArrivalPolicy, ("choose_mode",), (), {})
 
 
 def overrides_of(spec: Overridable) -> Decisions:
