@@ -361,16 +361,24 @@ def _act_again(effect: Any, args: tuple, outer: tuple, acts: tuple[str, ...], ki
                           f"not come from this check")
     index, act, act_args, act_kwargs, answer = effect
     target = given[index + len(outer)]
+    redo(act or "a function argument", answer, lambda: encoded((target if act is None else getattr(target, act))(
+        *[decoded(a, kinds) for a in act_args], **{k: decoded(v, kinds) for k, v in act_kwargs.items()}),
+        tuple(kinds.values())))
+
+
+def redo(act: str, answer: Any, run: Callable[[], Any]) -> None:
+    """Do in the grader what the learner's code did in the sandbox (``run`` returns its answer as data, or raises);
+    it must answer as it answered there. A check of the scenario's own that fails on the way fails as itself."""
     try:
-        got = encoded((target if act is None else getattr(target, act))(
-            *[decoded(a, kinds) for a in act_args], **{k: decoded(v, kinds) for k, v in act_kwargs.items()}),
-            tuple(kinds.values()))
+        got = run()
+    except CheckFailed:
+        raise
     except Exception as exc:
         got = {"raised": type(exc).__name__}
     if got != answer:
-        raise CheckFailed(f"the sandbox's record parts from the grader's run: {act or 'a function argument'} "
-                          f"answered {str(answer)[:100]} there and {str(got)[:100]} here: act only through what "
-                          f"your code is given, and the same way each time, so the grader can do it again")
+        raise CheckFailed(f"the sandbox's record parts from the grader's run: {act} answered {str(answer)[:100]} "
+                          f"there and {str(got)[:100]} here: act only through what your code is given, and the "
+                          f"same way each time, so the grader can do it again")
 
 
 def _lists(args: tuple, kinds: tuple) -> list:

@@ -25,7 +25,7 @@ from kvlib.core.prefix_cache import PrefixHit
 from kvlib.core.scheduler import Scheduler
 from kvlib.core.sequence import Sequence, SequenceStatus, new_seq_id
 from kvlib.course.grading.checks import CheckFailed
-from kvlib.course.grading.decisions import Answers, Decisions, decoded, encoded, error_named
+from kvlib.course.grading.decisions import Answers, Decisions, decoded, encoded, error_named, redo
 
 
 @dataclass(frozen=True)
@@ -352,14 +352,5 @@ def _do_again(instance, effect: Any, known: _Known, spec: Overridable) -> None:
         owner = instance if target == "self" else getattr(instance, target)
     method = getattr(owner, act)
     call = _Call(known.args, instance.first_seq_id, spec.kinds)
-    try:
-        got = call.encoded(method(*[known.value(a) for a in act_args],
-                                  **{k: known.value(v) for k, v in act_kwargs.items()}))
-    except CheckFailed:
-        raise
-    except Exception as exc:
-        got = {"raised": type(exc).__name__}
-    if got != answer:
-        raise CheckFailed(f"the sandbox's record parts from the grader's run: {act} answered {str(answer)[:100]} "
-                          f"there and {str(got)[:100]} here: act only through what your code is given, and the "
-                          f"same way each time, so the grader can do it again")
+    redo(act, answer, lambda: call.encoded(method(*[known.value(a) for a in act_args],
+                                                  **{k: known.value(v) for k, v in act_kwargs.items()})))
