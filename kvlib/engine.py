@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional, Union
 
@@ -70,7 +71,7 @@ class LLMEngine:
         self.metrics = EngineMetrics(history=config.metrics_history)
         self._requests: dict[str, list[Sequence]] = {}  # live requests: their sequences, sample 0 first
         self._ready: dict[str, RequestOutput] = {}  # outputs the next step() hands out first (rejections ...)
-        self._deferred_aborts: Optional[list[str]] = None  # during a step or an abort: aborts asked, done after it
+        self._deferred_aborts: Optional[list[str]] = None  # in a step, an abort or an add: aborts asked, done after
         self._stopped: Optional[str] = None  # why the engine refuses to go on, once a step stopped halfway
         self._num_requests = 0
         self._step = 0
@@ -165,15 +166,17 @@ class LLMEngine:
         if error is None:
             error = self._check_length(token_ids, params)
         seq = Sequence(request_id, token_ids, params, self.config.block_size, now, self._seed(params))
-        if error is None:
-            error = self.scheduler.why_never(seq)
-        if error is not None:
-            self._reject(request_id, token_ids, params, error)
-        else:
-            self.scheduler.add(seq)  # first: should it raise, nothing of the request is left behind
-            self._requests[request_id] = [seq]  # with n > 1, the other samples fork from it after its prefill
-            self.metrics.num_prompt_tokens += len(token_ids)
-        self._num_requests += 1
+        with self._aborts_deferred(self._ready):  # the scheduler's pieces may abort, this request too, once in
+            if error is None:
+                error = self.scheduler.why_never(seq)
+            if error is not None:
+                self._reject(request_id, token_ids, params, error)
+            else:
+                self.scheduler.add(seq)  # first: should it raise, nothing of the request is left behind
+                self._requests[request_id] = [seq]  # with n > 1, the other samples fork from it after its prefill
+                self.metrics.num_prompt_tokens += len(token_ids)
+            self._num_requests += 1
+
 
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request, a rejection not yet handed out, or a retained record."""
@@ -229,7 +232,7 @@ class LLMEngine:
         holds, on the device and the host, goes back. Its owner asked, so no step returns anything more
         for it.
 
-        Asked by a plugged-in piece during a step (or an abort), it is done when that ends, so no plan
+        Asked by a plugged-in piece during a step (an abort, an add), it is done when that ends, so no plan
         names a sequence that has gone; the owner did not ask, so the request's last output comes back
         (from that step, or the next), finished, its samples ``"aborted"``. A request the step finished
         keeps its own ending: the abort came too late."""
@@ -238,10 +241,7 @@ class LLMEngine:
             return
         self._ready.pop(request_id, None)
         self._deferred_aborts = [request_id]  # the first of the aborts done now; pieces may ask for more
-        ended: dict[str, RequestOutput] = {}
-        self._do_deferred_aborts(ended)
-        ended.pop(request_id, None)  # its owner asked: nothing comes back for it
-        self._ready.update(ended)
+        self._do_deferred_aborts(self._ready, owner_asked=request_id)
 
     def _abort(self, request_id: str) -> Optional[RequestOutput]:
         """Finish a live request's sequences as aborted; its last output, or None if it was not live."""
@@ -277,25 +277,35 @@ class LLMEngine:
         had already recorded) come back from the next step."""
         self._require_running()
         outputs, self._ready = self._ready, {}
-        self._deferred_aborts = []
         try:
-            try:
+            with self._aborts_deferred(outputs):
                 self._run_step(outputs)
-            finally:
-                self._do_deferred_aborts(outputs)
         except BaseException:
             self.hand_back(list(outputs.values()))
             raise
         return list(outputs.values())
 
-    def _do_deferred_aborts(self, outputs: dict[str, RequestOutput]) -> None:
-        """The aborts asked for during a step or an abort, and while these are done: each one's last output
-        joins ``outputs``."""
+    @contextmanager
+    def _aborts_deferred(self, outputs: dict[str, RequestOutput]):
+        """Aborts the plugged-in pieces ask for within are done as it ends (or by the step or abort that already
+        defers them), so no plan names a sequence that has gone; each one's last output joins ``outputs``."""
+        if self._deferred_aborts is not None:
+            yield
+            return
+        self._deferred_aborts = []
+        try:
+            yield
+        finally:
+            self._do_deferred_aborts(outputs)
+
+    def _do_deferred_aborts(self, outputs: dict[str, RequestOutput], owner_asked: Optional[str] = None) -> None:
+        """The aborts asked for, and those asked while these are done: each one's last output joins ``outputs``,
+        but the request's whose owner asked (nothing more comes back for it)."""
         asked = self._deferred_aborts
         try:
             while asked:
                 last = self._abort(asked.pop(0))
-                if last is not None:
+                if last is not None and last.request_id != owner_asked:
                     outputs[last.request_id] = last
         finally:
             self._deferred_aborts = None
@@ -316,6 +326,8 @@ class LLMEngine:
         tokens = self.runner.sample(logits, plan)
         result = self._or_stop("recording the tokens it sampled (some may be recorded, others not)",
                                self.scheduler.postprocess, plan, tokens, time.perf_counter())
+        for child in result.forked:  # the request's own at once: interrupted from here on, it still has all n
+            self._requests[child.request_id].append(child)
         self.metrics.record_result(plan, result, forward_seconds)
         outputs.update((out.request_id, out) for out in self._request_outputs(result))
         self._record_step(plan, start)
@@ -350,8 +362,6 @@ class LLMEngine:
             raise EngineStoppedError(self._stopped)
 
     def _request_outputs(self, result: StepResult) -> list[RequestOutput]:
-        for child in result.forked:
-            self._requests[child.request_id].append(child)
         progressed = [self._request_output(rid) for rid in dict.fromkeys(s.request_id for s in result.sampled)]
         for out in progressed:
             if out.finished:

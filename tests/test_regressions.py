@@ -810,6 +810,85 @@ def test_an_abort_asked_in_the_step_a_request_finishes_in_is_too_late_and_loses_
     check_invariants(llm.engine)
 
 
+class AbortsWhileAdding:
+    """A scheduler whose ``add`` asks the engine to abort the request ids in ``aborts`` (a plugged-in piece may)."""
+
+    def __init__(self, scheduler_class, aborts):
+        self.aborts = aborts
+        piece = self
+
+        class Aborting(scheduler_class):
+            def add(self, seq):
+                super().add(seq)
+                for request_id in piece.aborts.pop(seq.request_id, ()):
+                    piece.engine.abort_request(request_id)
+        self.scheduler = Aborting
+
+
+def llm_aborting_while_adding(folder, aborts):
+    from kvlib.core.scheduler import Scheduler
+    piece = AbortsWhileAdding(Scheduler, aborts)
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=32), scheduler=piece.scheduler, verbose=False)
+    piece.engine = llm.engine
+    return llm
+
+
+def test_a_piece_that_aborts_the_request_being_added_ends_it_with_an_output_from_the_next_step(folder):
+    """The abort was asked while the request was not yet the engine's own: it was lost, and the request ran to
+    its end. Now it is done once the request is in, and the next step hands back its ending."""
+    llm = llm_aborting_while_adding(folder, {"x": ["x"]})
+    llm.engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=8, n=2, seed=1))
+    (out,) = llm.engine.step()
+    assert out.request_id == "x" and out.finished
+    assert [(s.token_ids, s.finish_reason) for s in out.samples] == [([], "aborted")] * 2
+    assert llm.metrics.num_aborted == 1 and not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.device_pool.num_free == 32
+    check_invariants(llm.engine)
+
+
+def test_a_piece_that_aborts_another_request_while_one_is_added_ends_both_properly(folder):
+    """Adding y aborts x, which is running: x ends "aborted" with the tokens it had, y runs as if alone."""
+    llm = llm_aborting_while_adding(folder, {"y": ["x"]})
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm.engine.add_request("x", [5, 6, 7], params)
+    (first,) = llm.engine.step()
+    llm.engine.add_request("y", [8, 9], params)
+    outputs = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            assert out.request_id not in outputs or not outputs[out.request_id].finished
+            outputs[out.request_id] = out
+        check_invariants(llm.engine)
+    assert outputs["x"].finished and outputs["x"].finish_reason == "aborted"
+    assert outputs["x"].token_ids == first.token_ids
+    alone = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=32), verbose=False).generate([[8, 9]], params)
+    assert outputs["y"].token_ids == alone[0].token_ids and outputs["y"].finish_reason == "length"
+    assert llm.engine.block_manager.device_pool.num_free == 32
+
+
+def test_samples_that_fork_are_the_requests_own_even_when_the_step_is_interrupted_after_forking(folder, monkeypatch):
+    """An interrupt (Ctrl-C in a notebook) after the scheduler forked x's samples but before the engine had
+    taken them as x's: x never finished (it waited for n samples it had lost). Now they are x's as they fork."""
+    llm = LLM(folder, EngineConfig(block_size=4, num_gpu_blocks=32), verbose=False)
+    llm.engine.add_request("x", [5, 6, 7], SamplingParams(max_tokens=4, n=3, seed=1, temperature=1.0))
+    record_result = llm.metrics.record_result
+
+    def interrupted(plan, result, *args):
+        record_result(plan, result, *args)
+        if result.forked:
+            monkeypatch.setattr(llm.metrics, "record_result", record_result)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(llm.metrics, "record_result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.engine.step()
+    last = None
+    while llm.engine.has_unfinished_requests():
+        (last,) = llm.engine.step()
+    assert last is not None and last.finished and len(last.samples) == 3
+    assert [len(s.token_ids) for s in last.samples] == [4, 4, 4]
+    assert llm.engine.block_manager.device_pool.num_free == 32
+
+
 def test_a_scheduler_that_plans_nothing_is_named_with_the_blocks_it_could_have_had(folder):
     """The stall error counts cached blocks nobody uses as room (it said 0 free of a pool full of them)."""
     from kvlib.core.scheduler import Scheduler
