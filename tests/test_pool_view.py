@@ -52,10 +52,18 @@ def returning_conversation(checkpoint, **recorder_options):
     return llm, recorder, conversation
 
 
+def pool_squares(ax) -> list[tuple]:
+    """``(extent on the canvas, line width, face colour)`` of each square of one grid, block 0 first."""
+    (squares,) = ax.collections
+    faces, widths = squares.get_facecolors(), squares.get_linewidths()
+    return [(path.get_extents(squares.get_transform()), widths[i % len(widths)], tuple(faces[i % len(faces)]))
+            for i, path in enumerate(squares.get_paths())]
+
+
 def drawn(fig):
-    """``(axes, patch)`` for every square drawn, after drawing the figure."""
+    """``(axes, extent, line width)`` for every square drawn, after drawing the figure."""
     FigureCanvasAgg(fig).draw()
-    return [(ax, patch) for ax in fig.axes for patch in ax.patches]
+    return [(ax, box, width) for ax in fig.axes for box, width, _ in pool_squares(ax)]
 
 
 def test_every_square_and_its_edge_lie_inside_their_grid_and_the_figure(checkpoint):
@@ -63,9 +71,9 @@ def test_every_square_and_its_edge_lie_inside_their_grid_and_the_figure(checkpoi
     fig = figure(recorder, list(range(len(recorder.snapshots))))
     squares = drawn(fig)
     assert len(squares) == len(recorder.snapshots) * (12 + 24)
-    for ax, patch in squares:
-        box, grid = patch.get_window_extent(), ax.get_window_extent()
-        stroke = patch.get_linewidth() * fig.dpi / 72 / 2
+    for ax, box, width in squares:
+        grid = ax.get_window_extent()
+        stroke = width * fig.dpi / 72 / 2
         assert (box.x0 - stroke >= grid.x0 and box.x1 + stroke <= grid.x1 and box.y0 - stroke >= grid.y0
                 and box.y1 + stroke <= grid.y1), f"a square at {box} is cut by its grid {grid}"
     width, height = fig.bbox.width, fig.bbox.height
@@ -83,7 +91,7 @@ def test_a_view_without_a_host_pool_draws_the_device_pool_alone(checkpoint):
 
 
 def square_colours(fig) -> list[tuple]:
-    return [to_rgba(p.get_facecolor()) for ax in fig.axes for p in ax.patches]
+    return [face for ax in fig.axes for _, _, face in pool_squares(ax)]
 
 
 def test_a_highlighted_prefix_keeps_a_colour_of_its_own_on_the_device_in_the_cache_and_on_the_host(checkpoint):
@@ -98,14 +106,14 @@ def test_a_highlighted_prefix_keeps_a_colour_of_its_own_on_the_device_in_the_cac
     assert where[-1][0] == full_blocks  # back on the device
     for index, snap in enumerate(snapshots):
         fig = figure(recorder, [index])
-        device, host = (fig.axes[0].patches, fig.axes[1].patches)
+        device, host = ([face for _, _, face in pool_squares(ax)] for ax in fig.axes)
         followed = [device[b] for b in snap.device_highlighted] + [host[b] for b in snap.host_highlighted]
-        others = [p for pool, marked in ((device, snap.device_highlighted), (host, snap.host_highlighted))
-                  for b, p in enumerate(pool) if b not in marked]
-        followed_colours = {to_rgba(p.get_facecolor()) for p in followed}
+        others = [face for pool, marked in ((device, snap.device_highlighted), (host, snap.host_highlighted))
+                  for b, face in enumerate(pool) if b not in marked]
+        followed_colours = set(followed)
         assert followed_colours <= {to_rgba(pool_view.FIXED[pool_view.HIGHLIGHT]),
                                     to_rgba(pool_view.FIXED[pool_view.HIGHLIGHT_CACHED])}
-        assert not followed_colours & {to_rgba(p.get_facecolor()) for p in others}, f"step {snap.step}"
+        assert not followed_colours & set(others), f"step {snap.step}"
     labels = [t.get_text() for t in figure(recorder, [0]).legends[0].get_texts()]
     assert "the conversation" in labels and "the conversation, prefix cache only" in labels
 

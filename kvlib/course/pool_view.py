@@ -213,21 +213,29 @@ def _draw_frame(frame: _Frame, snapshot: PoolSnapshot, style: _Style) -> None:
 
 
 def _draw_pool(ax, blocks, followed, marked: dict[int, str], style: _Style, columns: int, rows: int) -> None:
+    """The pool's squares, block ``i`` the ``i``-th path of one collection: one artist, not one per block, so a
+    pool of hundreds of blocks draws in a fraction of the time."""
+    from matplotlib.collections import PatchCollection
     from matplotlib.patches import Rectangle
     ax.clear()
     ax.axis("off")
     ax.set_xlim(-PAD, columns + PAD)
     ax.set_ylim(rows + PAD, -PAD)  # row 0 at the top, read like text
     scale = style.cell / CELL
+    squares, faces, edges, widths = [], [], [], []
     for index, (owner, refs) in enumerate(blocks):
         x, y = index % columns + 0.04, index // columns + 0.04
         face = _face(owner, index in followed)
         edge = marked.get(index)
-        ax.add_patch(Rectangle((x, y), 0.92, 0.92, facecolor=style.colours[face], edgecolor=edge or "0.6",
-                               linewidth=(2.5 if edge else 0.5) * scale))
+        squares.append(Rectangle((x, y), 0.92, 0.92))
+        faces.append(style.colours[face])
+        edges.append(edge or "0.6")
+        widths.append((2.5 if edge else 0.5) * scale)
         if refs:
             ax.text(x + 0.46, y + 0.46, str(refs), ha="center", va="center", fontsize=7.5 * scale,
                     color="white" if face in (SHARED, HIGHLIGHT) else "black")
+    ax.add_collection(PatchCollection(squares, facecolors=faces, edgecolors=edges, linewidths=widths),
+                      autolim=False)
 
 
 def _legend(fig, style: _Style, top: float, ncol: int) -> None:
