@@ -422,15 +422,23 @@ def test_the_sandbox_sees_no_network_no_checkout_and_a_private_tmp(tmp_path):
     assert seen.status == FAIL and "[65534, False, False, False, 'no net']" in seen.message, seen.message
 
 
-def test_a_hang_costs_at_most_the_submissions_budget():
+def test_a_hang_costs_at_most_the_submissions_budget_and_only_its_own_tasks_checks():
+    """The allocator hangs; the block table is right. The hang's first check used the whole budget and the block
+    table scored 0 ("the budget ran out"); now each task has its share, by its checks' limits."""
     source = "import time\nclass MyBlockAllocator:\n    def __init__(self, n):\n        while True: time.sleep(0.1)\n"
+    from kvlib.course.grading.runner import code_cells
+    table = next(cell for cell in code_cells(SOLUTION) if "class MyBlockTable" in cell)
     started = time.monotonic()
-    graded = grade_cells("lab02", [source, TABLE], Limits(submission_s=12), seed=1)
+    graded = grade_cells("lab02", [source, table], Limits(submission_s=24), seed=1)
     took = time.monotonic() - started
-    statuses = [c.status for c in graded.tasks[0].checks]
-    assert statuses[0] == TIMED_OUT and "still running after" in graded.tasks[0].checks[0].message
-    assert set(statuses[1:]) == {TIMED_OUT} and "budget (12 s) ran out" in graded.tasks[0].checks[1].message
-    assert took < 12 + 30, took  # the budget, plus starting two sandboxes
+    allocator, block_table, engine = graded.tasks
+    statuses = [c.status for c in allocator.checks]
+    assert statuses[0] == TIMED_OUT and "still running after 13.1 s" in allocator.checks[0].message  # 24 * 360 / 660
+    assert set(statuses[1:]) == {TIMED_OUT} and "share (13.1 s) of the submission's time budget (24 s) ran out" in \
+        allocator.checks[1].message
+    assert engine.points == 0 and {c.status for c in engine.checks} == {TIMED_OUT}  # it serves with the allocator
+    assert block_table.full_marks, block_table
+    assert took < 24 + 30, took  # the budget, plus starting two sandboxes
 
 
 def test_a_reply_nested_too_deep_to_read_fails_its_check_and_grading_goes_on():

@@ -108,25 +108,45 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
             continue
         groups.setdefault(task.hidden, []).append((task, extracted.statements))
     flags = rule_flags
+    to_grade = [task for graded in groups.values() for task, _ in graded]
     for hidden, graded in groups.items():
         statements = _union(s for _, kept in graded for s in kept)
         flags += _resemblances([task.name for task, _ in graded], hidden, statements)
         with runner(lab, statements, hidden, limits) as sandbox:
             for task, _ in graded:
+                share = _share_of(task, to_grade[to_grade.index(task):], deadline)
                 results[task.name] = TaskResult(task.name, [_grade_check(sandbox, lab, task, check, seed, limits,
-                                                                         deadline) for check in task.checks])
+                                                                         share) for check in task.checks])
     notes = [NOT_ISOLATED.format(why=isolation())] if runner is Sandbox and isolation() else []
     notes += [NOT_BOUNDED.format(why=unbounded())] if runner is Sandbox and unbounded() else []
     notes += [ROOT_OUTSIDE.format(why=root_outside())] if runner is Sandbox and root_outside() else []
     return Graded([results[t.name] for t in tasks], notes, flags)
 
 
+@dataclass(frozen=True)
+class _Share:
+    """The part of the submission's time budget one task may use: until ``deadline``, ``seconds`` in all."""
+    deadline: float
+    seconds: float
+
+
+def _share_of(task: Task, tasks_left: list[Task], deadline: float) -> _Share:
+    """``task``'s share of the time left, in proportion to its checks' limits against those of the tasks left (it
+    first): a task that hangs uses its own share, and a later task still has its own."""
+    weight = {t.name: sum(check.limit_s for check in t.checks) for t in tasks_left}
+    now = time.monotonic()
+    seconds = max(0.0, deadline - now) * weight[task.name] / sum(weight.values())
+    return _Share(now + seconds, seconds)
+
+
 def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limits: Limits,
-                 deadline: float) -> CheckResult:
-    left = deadline - time.monotonic()
+                 share: _Share) -> CheckResult:
+    left = share.deadline - time.monotonic()
     if left <= 0:
-        return CheckResult(check.name, check.points, TIMED_OUT,
-                           f"the submission's time budget ({limits.budget_s:g} s) ran out before this check")
+        why = (f"the submission's time budget ({limits.budget_s:g} s) ran out before this task" if share.seconds <= 0
+               else f"this task's share ({share.seconds:.3g} s) of the submission's time budget ({limits.budget_s:g} s) "
+                    f"ran out before this check: an earlier check of the task ran long")
+        return CheckResult(check.name, check.points, TIMED_OUT, why)
     reference = reference_observation(lab, task.name, check.name, seed)
     try:
         yours = sandbox.observe(task.name, check.name, seed, min(check.limit_s * limits.check_scale, left))
