@@ -493,5 +493,24 @@ def test_lab_08s_choices_are_asked_again_by_the_grader():
                 assert sent.status == DECIDED and measured(task, check, sent, 6) == observe(check, piece, 6)
     check = lab08.engine.named("small_host_pool")
     sent = decided(lab08.engine, check, AlwaysSwaps, 6)
-    recomputes = Observed(DECIDED, [[*entry[:5], "recompute"] for entry in sent.observation])
+    recomputes = Observed(DECIDED, [[*entry[:5], "recompute", entry[6]] for entry in sent.observation])
     assert measured(lab08.engine, check, recomputes, 6) != observe(check, AlwaysSwaps, 6)  # graded as what it answered
+
+
+def test_a_record_answers_only_the_questions_it_was_asked():
+    """A record of a subclass's calls is tied to what each call was given: replayed where the grader asks other
+    questions (another seed's scenario), it fails, saying so. It answered them in order, whatever they were."""
+    from kvlib.course.grading import lab08
+    from kvlib.course.grading.decisions import decided
+    from kvlib.course.grading.results import FAIL
+    refused = 0
+    for task in (lab08.choose_mode, lab08.engine):
+        piece = task.reference()
+        for check in task.checks:
+            sent = decided(task, check, piece, 6)
+            assert measured(task, check, sent, 6) == observe(check, piece, 6), check.name
+            elsewhere = measured(task, check, sent, 11)
+            if elsewhere != observe(check, piece, 11):
+                assert elsewhere.status == FAIL and "answers other questions" in elsewhere.message, elsewhere
+                refused += 1
+    assert refused >= 3

@@ -99,6 +99,7 @@ def overrides_of(spec: Overridable) -> Decisions:
                 args_given = args + tuple(kwargs.values())
                 current = _Call(args_given, self.first_seq_id, spec.kinds,
                                 lambda: [_left(self, args_given, spec, current), _kept(self, spec.kept, current)])
+                asked = _asked(args_given, self.first_seq_id)  # as it is given, before the call changes it
                 args = tuple(_Held(arg, f"argument {i}", spec.given[i], self.graded_calls) if i in spec.given else arg
                              for i, arg in enumerate(args))
                 entry = [name, current.effects]
@@ -108,11 +109,11 @@ def overrides_of(spec: Overridable) -> Decisions:
                     got = getattr(cls, name)(self, *args, **kwargs)
                 except Exception as exc:
                     entry += [*current.state(), _counts(self, spec.pools),
-                              {"raised": type(exc).__name__, "message": str(exc)[:500]}]
+                              {"raised": type(exc).__name__, "message": str(exc)[:500]}, asked]
                     raise
                 finally:
                     self.graded_calls.pop()
-                entry += [*current.state(), _counts(self, spec.pools), current.encoded(got)]
+                entry += [*current.state(), _counts(self, spec.pools), current.encoded(got), asked]
                 return got
             return call
 
@@ -143,9 +144,12 @@ def overrides_of(spec: Overridable) -> Decisions:
         def redone(self, name: str, args: tuple, kwargs: dict) -> Any:
             args = args + tuple(kwargs.values())
             entry = answers.take()
-            if not (isinstance(entry, list) and len(entry) == 6 and entry[0] == name and isinstance(entry[1], list)):
+            if not (isinstance(entry, list) and len(entry) == 7 and entry[0] == name and isinstance(entry[1], list)):
                 raise CheckFailed(f"the sandbox's record parts from the grader's calls at call {answers.next}: the "
                                   f"grader called {name}; the reply does not come from this check")
+            if entry[6] != _asked(args, self.first_seq_id):
+                raise CheckFailed(f"the sandbox's record answers other questions: at call {answers.next} the grader "
+                                  f"called {name} with other arguments; the reply does not come from this check")
             known = _Known(self, args, spec, kinds)
             for effect in entry[1]:
                 _do_again(self, effect, known, spec)
@@ -196,6 +200,25 @@ def _leave(instance, known: "_Known", spec: Overridable, sequences: Any, kept: A
 
 def _key(seq: Sequence, first_seq_id: int) -> int:
     return seq.seq_id - first_seq_id
+
+
+def _asked(value: Any, first_seq_id: int, depth: int = 0) -> Any:
+    """What a graded call was asked, so that a record answers the grader's questions and no others: sequences by
+    when they were made, whole numbers, names and flags as they are, lists and dataclasses item by item (two levels
+    down); a float (a measured cost, a time) and any other object only by kind, since they may differ honestly."""
+    if isinstance(value, _Held):
+        value = value._inner
+    if isinstance(value, Sequence):
+        return {"sequence": _key(value, first_seq_id)}
+    if isinstance(value, (bool, int, str, type(None))):
+        return value
+    if depth < 3 and isinstance(value, (list, tuple)):
+        return [_asked(item, first_seq_id, depth + 1) for item in value]
+    if depth < 3 and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"kind": type(value).__name__, "fields": {field.name: _asked(getattr(value, field.name), first_seq_id,
+                                                                            depth + 1)
+                                                         for field in dataclasses.fields(value)}}
+    return {"kind": type(value).__name__}
 
 
 class _Call:
