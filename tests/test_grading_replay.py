@@ -263,3 +263,14 @@ class StepBySuperAndByHand(lab04.engine.reference()):
 def test_lab_04_steps_in_any_honest_style_get_full_marks_through_the_record():
     assert_full_marks_both_ways(lab04, lab04.engine.reference())
     assert_full_marks_both_ways(lab04, StepBySuperAndByHand)
+
+
+def test_a_budget_handed_on_as_a_numpy_integer_gets_full_marks_through_the_record():
+    """schedule_running's answer comes back from the record as an int and is schedule_waiting's budget: the record
+    had asked for it as numpy's int64, and the replay refused the record as answering other questions."""
+    import numpy as np
+
+    class NumpyBudget(lab04.engine.reference()):
+        def schedule_running(self, out, budget):
+            return np.int64(super().schedule_running(out, budget))
+    assert_full_marks_both_ways(lab04, NumpyBudget)

@@ -234,8 +234,8 @@ def _draw_pool(ax, blocks, followed, marked: dict[int, str], style: _Style, colu
         if refs:
             ax.text(x + 0.46, y + 0.46, str(refs), ha="center", va="center", fontsize=7.5 * scale,
                     color="white" if face in (SHARED, HIGHLIGHT) else "black")
-    ax.add_collection(PatchCollection(squares, facecolors=faces, edgecolors=edges, linewidths=widths),
-                      autolim=False)
+    ax.add_collection(PatchCollection(squares, facecolors=faces, edgecolors=edges, linewidths=widths,
+                                      joinstyle="miter"), autolim=False)  # square corners, as one patch each had
 
 
 def _legend(fig, style: _Style, top: float, ncol: int) -> None:

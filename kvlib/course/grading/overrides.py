@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import numbers
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -204,7 +206,7 @@ def _key(seq: Sequence, first_seq_id: int) -> int:
 
 def _asked(value: Any, first_seq_id: int, depth: int = 0) -> Any:
     """What a graded call was asked, so that a record answers the grader's questions and no others: sequences by
-    when they were made, whole numbers, names and flags as they are, lists and dataclasses item by item (two levels
+    when they were made, whole numbers (numpy's too), names and flags as they are, lists and dataclasses item by item (two levels
     down); a float (a measured cost, a time) and any other object only by kind, since they may differ honestly."""
     if isinstance(value, _Held):
         value = value._inner
@@ -212,6 +214,8 @@ def _asked(value: Any, first_seq_id: int, depth: int = 0) -> Any:
         return {"sequence": _key(value, first_seq_id)}
     if isinstance(value, (bool, int, str, type(None))):
         return value
+    if isinstance(value, numbers.Integral):  # numpy's: an answer of one call replayed as an int may feed the next
+        return operator.index(value)
     if depth < 3 and isinstance(value, (list, tuple)):
         return [_asked(item, first_seq_id, depth + 1) for item in value]
     if depth < 3 and dataclasses.is_dataclass(value) and not isinstance(value, type):

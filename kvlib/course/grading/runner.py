@@ -115,8 +115,7 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
         with runner(lab, statements, hidden, limits) as sandbox:
             for task, _ in graded:
                 share = _share_of(task, to_grade[to_grade.index(task):], deadline)
-                results[task.name] = TaskResult(task.name, [_grade_check(sandbox, lab, task, check, seed, limits,
-                                                                         share) for check in task.checks])
+                results[task.name] = _grade_task(sandbox, lab, task, seed, limits, share)
     notes = [NOT_ISOLATED.format(why=isolation())] if runner is Sandbox and isolation() else []
     notes += [NOT_BOUNDED.format(why=unbounded())] if runner is Sandbox and unbounded() else []
     notes += [ROOT_OUTSIDE.format(why=root_outside())] if runner is Sandbox and root_outside() else []
@@ -125,31 +124,45 @@ def grade_cells(lab: str, cells: list[str], limits: Limits = Limits(), runner: t
 
 @dataclass(frozen=True)
 class _Share:
-    """The part of the submission's time budget one task may use: until ``deadline``, ``seconds`` in all."""
-    deadline: float
+    """What one task may use of the submission's time budget: ``seconds`` (until ``until``) of the time left
+    (until ``budget_ends``)."""
     seconds: float
+    until: float
+    budget_ends: float
 
 
 def _share_of(task: Task, tasks_left: list[Task], deadline: float) -> _Share:
     """``task``'s share of the time left, in proportion to its checks' limits against those of the tasks left (it
-    first): a task that hangs uses its own share, and a later task still has its own."""
+    first)."""
     weight = {t.name: sum(check.limit_s for check in t.checks) for t in tasks_left}
     now = time.monotonic()
     seconds = max(0.0, deadline - now) * weight[task.name] / sum(weight.values())
-    return _Share(now + seconds, seconds)
+    return _Share(seconds, now + seconds, deadline)
 
 
-def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limits: Limits,
-                 share: _Share) -> CheckResult:
-    left = share.deadline - time.monotonic()
-    if left <= 0:
-        why = (f"the submission's time budget ({limits.budget_s:g} s) ran out before this task" if share.seconds <= 0
-               else f"this task's share ({share.seconds:.3g} s) of the submission's time budget ({limits.budget_s:g} s) "
-                    f"ran out before this check: an earlier check of the task ran long")
-        return CheckResult(check.name, check.points, TIMED_OUT, why)
+def _grade_task(sandbox, lab: str, task: Task, seed: int, limits: Limits, share: _Share) -> TaskResult:
+    """Each check may run for its own time limit, at most the task's share, within the budget left; once one has run
+    out of time (a hang), the task's later checks have what is left of its share. So a task that hangs leaves the
+    later tasks theirs, and honest slow checks may use the budget that quick tasks leave."""
+    results: list[CheckResult] = []
+    for check in task.checks:
+        hung = any(result.status == TIMED_OUT for result in results)
+        now = time.monotonic()
+        left = min(share.budget_ends - now, share.until - now if hung else share.seconds)
+        if left <= 0:
+            why = (f"this task's share ({share.seconds:.3g} s) of the submission's time budget ({limits.budget_s:g} s) "
+                   f"ran out before this check: an earlier check of the task ran out of time" if hung
+                   else f"the submission's time budget ({limits.budget_s:g} s) ran out before this check")
+            results.append(CheckResult(check.name, check.points, TIMED_OUT, why))
+        else:
+            results.append(_grade_check(sandbox, lab, task, check, seed, min(check.limit_s * limits.check_scale, left)))
+    return TaskResult(task.name, results)
+
+
+def _grade_check(sandbox, lab: str, task: Task, check: Check, seed: int, limit_s: float) -> CheckResult:
     reference = reference_observation(lab, task.name, check.name, seed)
     try:
-        yours = sandbox.observe(task.name, check.name, seed, min(check.limit_s * limits.check_scale, left))
+        yours = sandbox.observe(task.name, check.name, seed, limit_s)
     except Crashed as exc:
         return CheckResult(check.name, check.points, exc.status, str(exc))
     return verdict(check, measured_once(lab, task, check, yours, seed), reference)
