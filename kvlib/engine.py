@@ -177,7 +177,6 @@ class LLMEngine:
                 self.metrics.num_prompt_tokens += len(token_ids)
             self._num_requests += 1
 
-
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` names a live request, a rejection not yet handed out, or a retained record."""
         return request_id in self._requests or request_id in self.metrics.requests or request_id in self._ready
