@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--time-scale", type=float, default=1.0, help="multiply every check's time limit")
     grade.add_argument("--budget", type=float, default=600.0,
                        help="seconds all of one submission's checks may take together (scaled by --time-scale); "
-                            "each task has a share, by its checks' time limits, that caps a check and, after a hang, the task")
+                            "each task has a share, by its checks' time limits, that caps a check and, after a "
+                            "hang, the task")
     grade.set_defaults(run=_grade)
 
     labs = commands.add_parser("make-labs", help="generate labs/ from solutions/")

@@ -206,22 +206,22 @@ def _key(seq: Sequence, first_seq_id: int) -> int:
 
 def _asked(value: Any, first_seq_id: int, depth: int = 0) -> Any:
     """What a graded call was asked, so that a record answers the grader's questions and no others: sequences by
-    when they were made, whole numbers (numpy's too), names and flags as they are, lists and dataclasses item by item (two levels
-    down); a float (a measured cost, a time) and any other object only by kind, since they may differ honestly."""
+    when they were made; whole numbers (numpy's too: an answer replayed as an int may feed the next call), names and
+    flags as they are; lists and dataclasses item by item, two levels down; a float (a measured cost, a time) and
+    any other object only by kind, since they may differ honestly."""
     if isinstance(value, _Held):
         value = value._inner
     if isinstance(value, Sequence):
         return {"sequence": _key(value, first_seq_id)}
-    if isinstance(value, (bool, int, str, type(None))):
+    if isinstance(value, (bool, str, type(None))):
         return value
-    if isinstance(value, numbers.Integral):  # numpy's: an answer of one call replayed as an int may feed the next
+    if isinstance(value, numbers.Integral):
         return operator.index(value)
     if depth < 3 and isinstance(value, (list, tuple)):
         return [_asked(item, first_seq_id, depth + 1) for item in value]
     if depth < 3 and dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"kind": type(value).__name__, "fields": {field.name: _asked(getattr(value, field.name), first_seq_id,
-                                                                            depth + 1)
-                                                         for field in dataclasses.fields(value)}}
+        fields = {f.name: _asked(getattr(value, f.name), first_seq_id, depth + 1) for f in dataclasses.fields(value)}
+        return {"kind": type(value).__name__, "fields": fields}
     return {"kind": type(value).__name__}
 
 
